@@ -1,0 +1,12 @@
+"""mm-grpo: GRPO fine-tuning of FLUX on Megatron / MindSpeed-MM.
+
+Importing the package selects the accelerator (NPU, CUDA or CPU) and, on CPU,
+applies the small patch set that lets megatron-core's CUDA-only calls run there.
+This must happen before Megatron is imported, so it happens here, first.
+"""
+from mm_grpo.platform import get_platform, init_platform
+
+init_platform()
+
+__all__ = ["get_platform", "init_platform"]
+__version__ = "0.1.0"

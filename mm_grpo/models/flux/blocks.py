@@ -1,0 +1,93 @@
+"""FLUX double-stream (MMDiT) and single-stream (parallel attention + MLP) blocks.
+
+Both take and return the joint sequence x = [text ; image] as [S, B, D] with the text
+length `n_txt`, so a pipeline stage boundary is always one tensor.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mm_grpo.models.flux.layers import (
+    MLP, QKV, CoreAttention, HeadRMSNorm, Modulation, apply_rope, column_linear, layer_norm,
+    modulate, row_linear, split_heads, tp_world_size)
+
+
+def _clip_fp16(x):
+    # diffusers clips fp16 activations to the finite range after each block.
+    return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
+
+
+class StreamAttention(QKV):
+    """One stream's q/k/v (with QK-norm) and its output projection (row-parallel)."""
+
+    def __init__(self, config, tconfig):
+        super().__init__(config, tconfig)
+        dim = config.hidden_size
+        self.linear_proj = row_linear(dim, dim, tconfig)
+
+    def project(self, o):
+        out, _ = self.linear_proj(o)
+        return out
+
+
+class DoubleStreamBlock(nn.Module):
+    """Separate weights for text and image tokens, joint attention over [text ; image]."""
+
+    def __init__(self, config, tconfig):
+        super().__init__()
+        dim, eps = config.hidden_size, config.norm_eps
+        self.eps = eps
+        self.img_mod = Modulation(dim, 6, tconfig)
+        self.txt_mod = Modulation(dim, 6, tconfig)
+        self.img_attn = StreamAttention(config, tconfig)
+        self.txt_attn = StreamAttention(config, tconfig)
+        self.img_mlp = MLP(dim, config.mlp_hidden_size, tconfig)
+        self.txt_mlp = MLP(dim, config.mlp_hidden_size, tconfig)
+        self.core_attention = CoreAttention()
+
+    def forward(self, x, n_txt, vec, rope):
+        txt, img = x[:n_txt], x[n_txt:]
+        img_shift, img_scale, img_gate, img_shift2, img_scale2, img_gate2 = self.img_mod(vec)
+        txt_shift, txt_scale, txt_gate, txt_shift2, txt_scale2, txt_gate2 = self.txt_mod(vec)
+
+        q_i, k_i, v_i = self.img_attn(modulate(layer_norm(img, self.eps), img_shift, img_scale))
+        q_t, k_t, v_t = self.txt_attn(modulate(layer_norm(txt, self.eps), txt_shift, txt_scale))
+        q = apply_rope(torch.cat([q_t, q_i]), rope)
+        k = apply_rope(torch.cat([k_t, k_i]), rope)
+        o = self.core_attention(q, k, torch.cat([v_t, v_i]))
+
+        img = img + img_gate * self.img_attn.project(o[n_txt:])
+        img = img + img_gate2 * self.img_mlp(modulate(layer_norm(img, self.eps), img_shift2, img_scale2))
+        txt = txt + txt_gate * self.txt_attn.project(o[:n_txt])
+        txt = txt + txt_gate2 * self.txt_mlp(modulate(layer_norm(txt, self.eps), txt_shift2, txt_scale2))
+        return torch.cat([_clip_fp16(txt), img])
+
+
+class SingleStreamBlock(nn.Module):
+    """Shared weights for all tokens; attention and MLP run in parallel from one fused input
+    projection (BFL's `linear1`) and meet in one row-parallel output projection (`linear2`)."""
+
+    def __init__(self, config, tconfig):
+        super().__init__()
+        dim, hidden = config.hidden_size, config.mlp_hidden_size
+        self.eps = config.norm_eps
+        self.head_dim = config.attention_head_dim
+        tp = tp_world_size()
+        self.split_sizes = (3 * dim // tp, hidden // tp)  # this rank's [qkv | mlp] columns
+        self.modulation = Modulation(dim, 3, tconfig)
+        self.linear_in = column_linear(dim, 3 * dim + hidden, tconfig)
+        self.q_norm = HeadRMSNorm(self.head_dim, self.eps)
+        self.k_norm = HeadRMSNorm(self.head_dim, self.eps)
+        self.linear_out = row_linear(dim + hidden, dim, tconfig)
+        self.core_attention = CoreAttention()
+
+    def forward(self, x, n_txt, vec, rope):
+        shift, scale, gate = self.modulation(vec)
+        fused, _ = self.linear_in(modulate(layer_norm(x, self.eps), shift, scale))
+        qkv, mlp = fused.split(self.split_sizes, dim=-1)
+        q, k, v = split_heads(qkv, self.head_dim)
+        q = apply_rope(self.q_norm(q), rope)
+        k = apply_rope(self.k_norm(k), rope)
+        o = self.core_attention(q, k, v)
+        out, _ = self.linear_out(torch.cat([o, F.gelu(mlp, approximate="tanh")], dim=-1))
+        return _clip_fp16(x + gate * out)

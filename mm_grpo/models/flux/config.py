@@ -1,0 +1,100 @@
+"""FLUX transformer configuration: plain data, with presets and diffusers interop."""
+import dataclasses
+import json
+import os
+from typing import Optional, Tuple
+
+# Fields of diffusers' FluxTransformer2DModel config that define the architecture.
+_DIFFUSERS_FIELDS = (
+    "patch_size", "in_channels", "out_channels", "num_layers", "num_single_layers",
+    "attention_head_dim", "num_attention_heads", "joint_attention_dim",
+    "pooled_projection_dim", "guidance_embeds", "axes_dims_rope",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class FluxConfig:
+    # Architecture (diffusers' names and meanings).
+    patch_size: int = 1
+    in_channels: int = 64
+    out_channels: Optional[int] = None
+    num_layers: int = 19  # double-stream blocks
+    num_single_layers: int = 38
+    attention_head_dim: int = 128
+    num_attention_heads: int = 24
+    joint_attention_dim: int = 4096
+    pooled_projection_dim: int = 768
+    guidance_embeds: bool = True
+    axes_dims_rope: Tuple[int, int, int] = (16, 56, 56)
+    # Fixed by FLUX.1; kept here so the numbers are not scattered through the code.
+    mlp_ratio: float = 4.0
+    rope_theta: int = 10000
+    norm_eps: float = 1e-6
+    # Runtime options (not part of the checkpoint).
+    recompute_blocks: bool = False  # activation checkpointing, one block at a time
+    bf16: bool = False  # bf16 autocast around the blocks (RoPE and norms stay fp32)
+
+    def __post_init__(self):
+        object.__setattr__(self, "axes_dims_rope", tuple(self.axes_dims_rope))
+        if sum(self.axes_dims_rope) != self.attention_head_dim:
+            raise ValueError(
+                f"axes_dims_rope {self.axes_dims_rope} must sum to attention_head_dim "
+                f"({self.attention_head_dim})")
+        if any(d % 2 for d in self.axes_dims_rope):
+            raise ValueError(f"axes_dims_rope {self.axes_dims_rope} must all be even")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def mlp_hidden_size(self) -> int:
+        return int(self.hidden_size * self.mlp_ratio)
+
+    @property
+    def output_channels(self) -> int:
+        return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
+
+    @property
+    def num_blocks(self) -> int:
+        """Length of the block sequence [double blocks, then single blocks]."""
+        return self.num_layers + self.num_single_layers
+
+    def replace(self, **changes) -> "FluxConfig":
+        return dataclasses.replace(self, **changes)
+
+    # --- diffusers interop -------------------------------------------------------
+    def to_diffusers_config(self) -> dict:
+        cfg = {k: getattr(self, k) for k in _DIFFUSERS_FIELDS}
+        cfg["axes_dims_rope"] = list(self.axes_dims_rope)
+        return cfg
+
+    @classmethod
+    def from_diffusers_config(cls, config, **runtime) -> "FluxConfig":
+        """From a diffusers config dict, a `config.json` path, or a transformer folder."""
+        if isinstance(config, (str, os.PathLike)):
+            path = os.path.join(config, "config.json") if os.path.isdir(config) else config
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"no diffusers config.json at {path}")
+            with open(path) as f:
+                config = json.load(f)
+        arch = {k: config[k] for k in _DIFFUSERS_FIELDS if k in config}
+        return cls(**arch, **runtime)
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "FluxConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown FLUX preset {name!r}; choose one of {sorted(PRESETS)}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+
+PRESETS = {
+    "flux-dev": FluxConfig(guidance_embeds=True),
+    "flux-schnell": FluxConfig(guidance_embeds=False),
+    # Runs a forward in a few milliseconds on CPU; 4 heads so TP/SP up to 4 divide.
+    # Matches the transformer of the tiny pipeline (16 = 4 VAE channels packed 2x2).
+    "tiny": FluxConfig(
+        in_channels=16, num_layers=2, num_single_layers=4, attention_head_dim=16,
+        num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=32,
+        guidance_embeds=True, axes_dims_rope=(4, 6, 6)),
+}

@@ -1,0 +1,57 @@
+"""Conditioning vector and rotary tables of FLUX (diffusers semantics)."""
+import torch
+from diffusers.models.embeddings import get_1d_rotary_pos_embed, get_timestep_embedding
+from torch import nn
+
+TIME_CHANNELS = 256  # sinusoid width for timestep and guidance
+
+
+class MLPEmbedder(nn.Module):
+    """linear_1 -> SiLU -> linear_2 (diffusers' TimestepEmbedding / PixArtAlphaTextProjection)."""
+
+    def __init__(self, in_dim: int, dim: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(in_dim, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.linear_2(nn.functional.silu(self.linear_1(x)))
+
+
+class TimeTextEmbedding(nn.Module):
+    """temb = timestep emb + guidance emb (FLUX.1-dev) + pooled-text emb, one vector per sample.
+
+    Replicated on every TP rank: it acts on one vector per sample, so splitting it would
+    save little memory and cost a collective."""
+
+    def __init__(self, dim: int, pooled_dim: int, guidance_embeds: bool):
+        super().__init__()
+        self.timestep_embedder = MLPEmbedder(TIME_CHANNELS, dim)
+        self.guidance_embedder = MLPEmbedder(TIME_CHANNELS, dim) if guidance_embeds else None
+        self.text_embedder = MLPEmbedder(pooled_dim, dim)
+
+    @staticmethod
+    def sinusoid(t, dtype):
+        # diffusers' Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0): cos first.
+        emb = get_timestep_embedding(t, TIME_CHANNELS, flip_sin_to_cos=True, downscale_freq_shift=0)
+        return emb.to(dtype)
+
+    def forward(self, timestep, guidance, pooled):
+        # diffusers casts to the activation dtype, then scales by 1000.
+        dtype = pooled.dtype
+        temb = self.timestep_embedder(self.sinusoid(timestep.to(dtype) * 1000, dtype))
+        if self.guidance_embedder is not None:
+            if guidance is None:
+                raise ValueError("this FLUX model has a guidance embedding: pass `guidance`")
+            temb = temb + self.guidance_embedder(self.sinusoid(guidance.to(dtype) * 1000, dtype))
+        return temb + self.text_embedder(pooled)
+
+
+def rope_tables(ids: torch.Tensor, axes_dims, theta: int):
+    """cos, sin [S, head_dim] in fp32 for positions `ids` [S, n_axes] (frequencies in fp64)."""
+    pos = ids.float()
+    cos, sin = zip(*[
+        get_1d_rotary_pos_embed(dim, pos[:, i], theta=theta, repeat_interleave_real=True,
+                                use_real=True, freqs_dtype=torch.float64)
+        for i, dim in enumerate(axes_dims)])
+    return torch.cat(cos, dim=-1), torch.cat(sin, dim=-1)

@@ -1,0 +1,125 @@
+"""Tensor-parallel building blocks of the FLUX transformer.
+
+Activations are [S, B, D] (Megatron's layout); heads are [S, B, H, d]. Which linear
+is column- or row-parallel is also declared, as data, in `layout.py`.
+"""
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from torch import nn
+
+from mm_grpo import kernels
+
+
+def _init_normal(weight):
+    return nn.init.normal_(weight, std=0.02)
+
+
+def column_linear(in_dim, out_dim, tconfig, gather_output=False):
+    return ColumnParallelLinear(in_dim, out_dim, config=tconfig, init_method=_init_normal,
+                                bias=True, gather_output=gather_output)
+
+
+def row_linear(in_dim, out_dim, tconfig):
+    return RowParallelLinear(in_dim, out_dim, config=tconfig, init_method=_init_normal,
+                             bias=True, input_is_parallel=True, skip_bias_add=False)
+
+
+def modulate(x, shift, scale):
+    """x * (1 + scale) + shift with per-sample [B, D] shift/scale over [S, B, D]."""
+    return x * (1 + scale) + shift
+
+
+def layer_norm(x, eps):
+    return F.layer_norm(x, (x.shape[-1],), eps=eps)
+
+
+class Modulation(nn.Module):
+    """adaLN: `n` modulation vectors from silu(temb), in diffusers' chunk order.
+
+    Column-parallel with the output gathered: every rank needs all vectors, but the
+    (n*D, D) weights are a third of FLUX's parameters, so they are not replicated."""
+
+    def __init__(self, dim, n, tconfig):
+        super().__init__()
+        self.n = n
+        self.linear = column_linear(dim, n * dim, tconfig, gather_output=True)
+
+    def forward(self, vec):  # vec: silu(temb) [B, D]
+        out, _ = self.linear(vec.unsqueeze(0))  # Megatron linears expect 3-D input
+        return out.squeeze(0).chunk(self.n, dim=-1)
+
+
+class HeadRMSNorm(nn.Module):
+    """Per-head RMSNorm over head_dim (QK-norm); weights replicated.
+
+    A TP rank sees only its heads, so its weight gradient is partial: the weight goes
+    through `copy_to_tensor_model_parallel_region` (identity forward, all-reduce backward)
+    so that every rank ends with the full gradient."""
+
+    def __init__(self, head_dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(head_dim))
+
+    def forward(self, x):
+        return kernels.rms_norm(x, copy_to_tensor_model_parallel_region(self.weight), self.eps)
+
+
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(d)) v over the whole sequence: [S, B, H, d] -> [S, B, H*d].
+
+    Ulysses sequence parallelism replaces this module (see mm_grpo/parallel)."""
+
+    def forward(self, q, k, v):
+        to_bhsd = lambda t: t.permute(1, 2, 0, 3)  # noqa: E731
+        out = kernels.attention(to_bhsd(q), to_bhsd(k), to_bhsd(v))
+        return out.permute(2, 0, 1, 3).flatten(2)
+
+
+def apply_rope(x, rope):
+    """x [S, B, H, d]; rope = (cos, sin) [S, d] fp32."""
+    cos, sin = rope
+    return kernels.rope(x, cos[:, None, None, :], sin[:, None, None, :])
+
+
+def split_heads(qkv, head_dim):
+    """Megatron's per-head fused layout [q_h, k_h, v_h]: [S, B, H*3*d] -> 3 x [S, B, H, d]."""
+    return qkv.unflatten(-1, (-1, 3 * head_dim)).split(head_dim, dim=-1)
+
+
+class QKV(nn.Module):
+    """Fused, per-head q/k/v projection with QK RMSNorm, so a TP shard holds whole heads."""
+
+    def __init__(self, config, tconfig):
+        super().__init__()
+        d, dim = config.attention_head_dim, config.hidden_size
+        self.head_dim = d
+        self.linear_qkv = column_linear(dim, 3 * dim, tconfig)
+        self.q_norm = HeadRMSNorm(d, config.norm_eps)
+        self.k_norm = HeadRMSNorm(d, config.norm_eps)
+
+    def forward(self, x):
+        qkv, _ = self.linear_qkv(x)
+        q, k, v = split_heads(qkv, self.head_dim)
+        return self.q_norm(q), self.k_norm(k), v
+
+
+class MLP(nn.Module):
+    """fc1 (column) -> GELU(tanh) -> fc2 (row): one all-reduce per MLP under TP."""
+
+    def __init__(self, dim, hidden, tconfig):
+        super().__init__()
+        self.linear_fc1 = column_linear(dim, hidden, tconfig)
+        self.linear_fc2 = row_linear(hidden, dim, tconfig)
+
+    def forward(self, x):
+        h, _ = self.linear_fc1(x)
+        out, _ = self.linear_fc2(F.gelu(h, approximate="tanh"))
+        return out
+
+
+def tp_world_size():
+    return parallel_state.get_tensor_model_parallel_world_size()

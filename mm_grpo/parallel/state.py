@@ -1,0 +1,81 @@
+"""One place that starts torch.distributed and megatron-core's model-parallel groups.
+
+Everything else looks the groups up through `megatron.core.parallel_state`.
+"""
+import dataclasses
+import datetime
+import os
+import socket
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from mm_grpo import get_platform
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = 1  # --tensor-model-parallel-size
+    pp: int = 1  # --pipeline-model-parallel-size
+    cp: int = 1  # --context-parallel-size (Ulysses)
+    vpp: Optional[int] = None  # virtual pipeline stages per rank
+    cp_algo: str = "ulysses_cp_algo"
+
+    def check(self, world_size: int):
+        for name in ("tp", "pp", "cp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} size must be >= 1, got {getattr(self, name)}")
+        model_parallel = self.tp * self.pp * self.cp
+        if world_size % model_parallel:
+            raise ValueError(
+                f"world size {world_size} is not divisible by TP x PP x CP = "
+                f"{self.tp} x {self.pp} x {self.cp}")
+        if self.cp > 1 and self.cp_algo != "ulysses_cp_algo":
+            raise ValueError(f"context-parallel-algo {self.cp_algo!r}: only 'ulysses_cp_algo' is supported")
+
+    @property
+    def dp(self) -> int:
+        return dist.get_world_size() // (self.tp * self.pp * self.cp)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(timeout_minutes: int = 30):
+    """torch.distributed from torchrun's env, or a 1-process group when run alone."""
+    if dist.is_initialized():
+        return
+    platform = get_platform()
+    if platform.device.type != "cpu":
+        getattr(torch, platform.device.type).set_device(platform.device)
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if "RANK" in os.environ:  # torchrun
+        dist.init_process_group(backend=platform.dist_backend, timeout=timeout)
+    else:  # one process, without touching os.environ (subprocesses may be torchrun)
+        dist.init_process_group(backend=platform.dist_backend, timeout=timeout, rank=0, world_size=1,
+                                init_method=f"tcp://127.0.0.1:{_free_port()}")
+
+
+def initialize_parallel(parallel: ParallelConfig = ParallelConfig(), seed: int = 1234):
+    """Start torch.distributed (if needed) and megatron-core's model-parallel groups."""
+    init_process_group()
+    parallel.check(dist.get_world_size())
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp,
+        context_parallel_size=parallel.cp)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel():
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()

@@ -1,0 +1,28 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="mm-grpo",
+    version="0.1.0",
+    description="GRPO fine-tuning of FLUX text-to-image models on Megatron / MindSpeed-MM",
+    python_requires=">=3.10",
+    packages=find_packages(include=["mm_grpo", "mm_grpo.*", "converters", "converters.*"]),
+    install_requires=[
+        "torch>=2.4",
+        # 0.12.x is MindSpeed's pin; 0.16.1 is the newest for Python 3.11.
+        "megatron-core>=0.12,<0.17",
+        "diffusers>=0.32",
+        "transformers>=4.45",
+        "safetensors>=0.4",
+        "open_clip_torch>=2.24",
+        "jsonargparse>=4.35",
+        "tensorboard",
+        "tqdm",
+        "psutil",  # megatron-core's checkpoint writer needs it
+        "einops",
+        "sentencepiece",
+        "matplotlib",
+    ],
+    # torch_npu / mindspeed are used when present and never required.
+    extras_require={"test": ["pytest>=8"], "npu": ["torch_npu", "mindspeed"]},
+    entry_points={"console_scripts": ["mm-convert = converters.convert_cli:main"]},
+)

@@ -1,0 +1,59 @@
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LAUNCH_TIMEOUT_S = 900
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(nproc, tmp_dir):
+    out = os.path.join(tmp_dir, f"results_{nproc}.json")
+    log = os.path.join(tmp_dir, f"torchrun_{nproc}.log")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={_free_port()}", "-m", "tests.distributed.worker", out]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MM_GRPO_DEVICE="cpu", PYTHONWARNINGS="ignore")
+    with open(log, "w") as f:
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                  timeout=LAUNCH_TIMEOUT_S)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    with open(log) as f:
+        tail = f.read()[-6000:]
+    if not os.path.exists(out):
+        pytest.fail(f"torchrun --nproc_per_node {nproc} produced no results (rc={rc}):\n{tail}")
+    with open(out) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def torchrun(tmp_path_factory):
+    """torchrun(nproc) -> {check_name: {"ok", "error", "metrics"}}, one launch per world size."""
+    cache = {}
+
+    def results(nproc):
+        if nproc not in cache:
+            cache[nproc] = _launch(nproc, str(tmp_path_factory.mktemp(f"torchrun{nproc}")))
+        return cache[nproc]
+    return results
+
+
+def check_result(results, name):
+    """The metrics of check `name`, failing the test with the workers' traceback if it failed."""
+    if name not in results:
+        pytest.fail(f"check {name} did not run (see the worker's log)")
+    res = results[name]
+    if not res["ok"]:
+        pytest.fail(f"check {name} failed:\n{res['error']}")
+    return res["metrics"]

@@ -1,0 +1,67 @@
+"""Runs every registered multi-process check in ONE torchrun launch per world size.
+
+Each launch costs seconds of imports, so checks from all features share it. A check is
+a function registered with `@check(world_sizes)`; it returns a dict of metrics, which the
+pytest side asserts on (tests/distributed/test_*.py). Run by tests/distributed/conftest.py:
+
+    torchrun --nproc_per_node N -m tests.distributed.worker OUT.json
+"""
+import importlib
+import json
+import os
+import sys
+import time
+import traceback
+
+import mm_grpo  # noqa: F401  (platform adaptor first)
+import torch.distributed as dist
+
+# Modules whose import registers checks.
+CHECK_MODULES = [
+    "tests.distributed.checks_tp",
+]
+
+_CHECKS = []
+
+
+def check(*world_sizes):
+    def register(fn):
+        _CHECKS.append((fn, world_sizes))
+        return fn
+    return register
+
+
+def main(out_path):
+    for name in CHECK_MODULES:
+        importlib.import_module(name)
+    from mm_grpo.parallel.state import destroy_parallel, init_process_group
+    init_process_group()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    results = {}
+    for fn, sizes in _CHECKS:
+        if world not in sizes:
+            continue
+        start = time.time()
+        try:
+            metrics, error = fn() or {}, None
+        except Exception:
+            metrics, error = {}, f"rank {rank}: {traceback.format_exc()}"
+        destroy_parallel()
+        errors = [None] * world
+        dist.all_gather_object(errors, error)
+        errors = [e for e in errors if e]
+        results[fn.__name__] = {"ok": not errors, "error": "\n".join(errors), "metrics": metrics,
+                                "seconds": round(time.time() - start, 2)}
+        if rank == 0:
+            print(f"[worker] {fn.__name__}: {'ok' if not errors else 'FAILED'} {metrics}", flush=True)
+    if rank == 0:
+        tmp = out_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(results, f, indent=1)
+        os.replace(tmp, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

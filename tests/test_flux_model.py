@@ -1,0 +1,146 @@
+"""The Megatron FLUX model against diffusers' FluxTransformer2DModel (fp32, CPU, TP = 1)."""
+import json
+
+import pytest
+import torch
+
+from mm_grpo.models.flux import FluxConfig, FluxTransformer
+from mm_grpo.models.flux.hf_weights import load_hf_weights
+from mm_grpo.models.flux.model import check_parallel_sizes
+from tests.fixtures import parallel_1proc  # noqa: F401
+from tests.utils import (hf_grads_as_megatron, make_inputs, random_reference, reference_output,
+                         rel_err)
+
+TOL = 1e-5
+TINY = FluxConfig.preset("tiny")
+TINY_SCHNELL = TINY.replace(guidance_embeds=False, num_attention_heads=2, attention_head_dim=24,
+                            axes_dims_rope=(4, 10, 10), num_single_layers=2)
+
+
+def _model(config, ref):
+    return load_hf_weights(FluxTransformer(config), ref.state_dict())
+
+
+@pytest.mark.parametrize("config", [TINY, TINY_SCHNELL], ids=["guidance", "no-guidance"])
+@pytest.mark.parametrize("batch,height,width,txt_len", [
+    (1, 4, 4, 1), (3, 3, 5, 13), (1, 2, 7, 77), (3, 6, 2, 77)])
+def test_forward_matches_diffusers(parallel_1proc, config, batch, height, width, txt_len):
+    ref = random_reference(config, seed=batch + txt_len)
+    model = _model(config, ref)
+    inputs = make_inputs(config, batch, height, width, txt_len, seed=height)
+    with torch.no_grad():
+        expected = reference_output(ref, inputs)
+        out = model(**inputs)
+    assert out.shape == expected.shape == (batch, height * width, config.output_channels)
+    assert rel_err(out, expected) <= TOL
+
+
+def test_gradients_match_diffusers(parallel_1proc):
+    ref = random_reference(TINY, seed=11)
+    model = _model(TINY, ref)
+    inputs = make_inputs(TINY, batch=2, height=3, width=4, txt_len=5)
+    weight = torch.randn(2, 12, TINY.output_channels)
+    (reference_output(ref, inputs) * weight).sum().backward()
+    (model(**inputs) * weight).sum().backward()
+    expected = hf_grads_as_megatron(ref, TINY)
+    params = dict(model.named_parameters())
+    assert set(params) == set(expected)
+    errs = {n: rel_err(params[n].grad, g) for n, g in expected.items()}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= TOL, worst
+
+
+def test_activation_checkpointing_gives_identical_gradients(parallel_1proc):
+    ref = random_reference(TINY, seed=2)
+    inputs = make_inputs(TINY)
+    grads = []
+    for recompute in (False, True):
+        model = _model(TINY.replace(recompute_blocks=recompute), ref)
+        model(**inputs).square().sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        assert torch.equal(g, grads[1][name]), name
+
+
+def test_bf16_autocast_stays_close_and_rope_stays_fp32(parallel_1proc):
+    ref = random_reference(TINY, seed=4)
+    inputs = make_inputs(TINY)
+    fp32 = _model(TINY, ref)
+    bf16 = _model(TINY.replace(bf16=True), ref)
+    with torch.no_grad():
+        expected, out = fp32(**inputs), bf16(**inputs)
+    assert out.dtype == torch.bfloat16
+    assert 0 < rel_err(out.float(), expected) < 5e-2
+    cos, _ = bf16.rope(inputs["txt_ids"], inputs["img_ids"])
+    assert cos.dtype == torch.float32
+
+
+def test_loads_from_a_diffusers_folder_and_a_pipeline_folder(parallel_1proc, tmp_path):
+    ref = random_reference(TINY, seed=5)
+    ref.save_pretrained(tmp_path / "pipe" / "transformer", max_shard_size="20KB")
+    assert (tmp_path / "pipe" / "transformer" / "diffusion_pytorch_model.safetensors.index.json").exists()
+    inputs = make_inputs(TINY)
+    with torch.no_grad():
+        expected = reference_output(ref, inputs)
+        for path in (tmp_path / "pipe" / "transformer", tmp_path / "pipe"):
+            config = FluxConfig.from_diffusers_config(str(path / "transformer") if path.name == "pipe"
+                                                      else str(path))
+            model = load_hf_weights(FluxTransformer(config), str(path))
+            assert rel_err(model(**inputs), expected) <= TOL
+
+
+def test_config_roundtrips_through_diffusers_config(tmp_path):
+    for name in ("flux-dev", "flux-schnell", "tiny"):
+        config = FluxConfig.preset(name)
+        (tmp_path / "config.json").write_text(json.dumps(config.to_diffusers_config()))
+        assert FluxConfig.from_diffusers_config(str(tmp_path)) == config
+    dev = FluxConfig.preset("flux-dev")
+    assert (dev.hidden_size, dev.num_blocks, dev.guidance_embeds) == (3072, 57, True)
+    assert not FluxConfig.preset("flux-schnell").guidance_embeds
+
+
+def test_full_size_parameter_count_matches_flux1_dev():
+    from mm_grpo.models.flux.hf_weights import expected_hf_shapes
+    shapes = expected_hf_shapes(FluxConfig.preset("flux-dev"))
+    assert len(shapes) == 1160
+    assert sum(torch.Size(s).numel() for s in shapes.values()) == 11_901_408_320
+
+
+# --- bad input -------------------------------------------------------------------------
+def test_tp_not_dividing_heads_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"num_attention_heads \(24\) must be divisible by "
+                                         r"tensor-model-parallel size \(5\)"):
+        check_parallel_sizes(FluxConfig.preset("flux-dev"), tp=5)
+    with pytest.raises(ValueError, match=r"x context-parallel size \(3\)"):
+        check_parallel_sizes(TINY, tp=1, cp=3)
+
+
+def test_missing_unexpected_and_misshaped_weights_are_named(parallel_1proc):
+    sd = random_reference(TINY).state_dict()
+    model = FluxTransformer(TINY)
+    missing = dict(sd)
+    del missing["single_transformer_blocks.1.proj_mlp.bias"]
+    with pytest.raises(ValueError, match=r"missing weights: single_transformer_blocks\.1\.proj_mlp\.bias"):
+        load_hf_weights(model, missing)
+    extra = dict(sd, **{"transformer_blocks.9.attn.to_q.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"unexpected weights: transformer_blocks\.9\.attn\.to_q\.weight"):
+        load_hf_weights(model, extra)
+    wrong = dict(sd, **{"transformer_blocks.0.attn.to_k.weight": torch.zeros(64, 32)})
+    with pytest.raises(ValueError, match=r"wrong shapes: transformer_blocks\.0\.attn\.to_k\.weight is "
+                                         r"\(64, 32\), expected \(64, 64\)"):
+        load_hf_weights(model, wrong)
+
+
+def test_missing_checkpoint_path_is_a_clear_error(parallel_1proc, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such FLUX checkpoint"):
+        load_hf_weights(FluxTransformer(TINY), str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no diffusion_pytorch_model"):
+        load_hf_weights(FluxTransformer(TINY), str(tmp_path / "empty"))
+
+
+def test_guidance_model_without_guidance_is_a_clear_error(parallel_1proc):
+    inputs = make_inputs(TINY)
+    del inputs["guidance"]
+    with pytest.raises(ValueError, match="pass `guidance`"):
+        FluxTransformer(TINY)(**inputs)

@@ -1,0 +1,65 @@
+"""Shared helpers for tests: random diffusers references, inputs, errors, TP gathering."""
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from mm_grpo.models.flux import FluxConfig, layout
+
+
+def rel_err(a, b):
+    """max |a - b| / max |b|."""
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def random_reference(config: FluxConfig, seed=0, std=0.1):
+    """A diffusers FluxTransformer2DModel with every weight random (no zero-init gates)."""
+    from diffusers import FluxTransformer2DModel
+    torch.manual_seed(seed)
+    ref = FluxTransformer2DModel(**config.to_diffusers_config())
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, std)
+    return ref.eval()
+
+
+def make_inputs(config: FluxConfig, batch=2, height=4, width=6, txt_len=7, seed=1, guidance=3.5):
+    """diffusers-style forward kwargs: packed latents on an height x width token grid."""
+    g = torch.Generator().manual_seed(seed)
+    img_ids = torch.zeros(height, width, 3)
+    img_ids[..., 1] = torch.arange(height)[:, None]
+    img_ids[..., 2] = torch.arange(width)[None]
+    inputs = dict(
+        hidden_states=torch.randn(batch, height * width, config.in_channels, generator=g),
+        encoder_hidden_states=torch.randn(batch, txt_len, config.joint_attention_dim, generator=g),
+        pooled_projections=torch.randn(batch, config.pooled_projection_dim, generator=g),
+        timestep=torch.rand(batch, generator=g),
+        img_ids=img_ids.reshape(-1, 3), txt_ids=torch.zeros(txt_len, 3))
+    if config.guidance_embeds:
+        inputs["guidance"] = torch.full((batch,), guidance)
+    return inputs
+
+
+def reference_output(ref, inputs):
+    return ref(**inputs, return_dict=False)[0]
+
+
+def hf_grads_as_megatron(ref, config: FluxConfig):
+    """diffusers parameter gradients merged into full (unsharded) Megatron tensors."""
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    return {r.megatron: layout.merge(r, [grads[h] for h in r.hf], config)
+            for r in layout.stage_rules(config)}
+
+
+def gather_tp(model, attr="grad"):
+    """Full Megatron tensors (param data or grad) gathered over the TP group, by name."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    params = dict(model.named_parameters())
+    out = {}
+    for rule in layout.stage_rules(model.flux_config, model.block_range, model.pre_process,
+                                   model.post_process):
+        local = getattr(params[rule.megatron], attr).contiguous()
+        shards = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(shards, local, group=group)
+        out[rule.megatron] = layout.unshard(rule, shards, model.flux_config)
+    return out
