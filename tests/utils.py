@@ -63,3 +63,19 @@ def gather_tp(model, attr="grad"):
         dist.all_gather(shards, local, group=group)
         out[rule.megatron] = layout.unshard(rule, shards, model.flux_config)
     return out
+
+
+def gather_hf_state_dict(chunks):
+    """This model's weights under diffusers names, gathered over TP and PP (every rank gets all)."""
+    from megatron.core import parallel_state as ps
+    local = {}
+    for chunk in chunks:
+        chunk = getattr(chunk, "module", chunk)
+        full = gather_tp(chunk, "data")
+        for rule in layout.stage_rules(chunk.flux_config, chunk.block_range, chunk.pre_process,
+                                       chunk.post_process):
+            for name, t in zip(rule.hf, layout.unmerge(rule, full[rule.megatron], chunk.flux_config)):
+                local[name] = t.detach().clone()
+    parts = [None] * ps.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(parts, local, group=ps.get_pipeline_model_parallel_group())
+    return {k: v for part in parts for k, v in part.items()}

@@ -1,0 +1,269 @@
+"""The GRPO schedule: one iteration = rollout -> decode + reward -> advantages -> policy update.
+
+Samples are numbered globally, group-major (sample s belongs to prompt s // G); data-parallel
+rank r owns a contiguous slice of them. Every random draw (initial noise, step noise, trained
+timesteps) is seeded by (seed, iteration, global sample index), so results do not depend on
+the parallel layout and a resumed run repeats exactly what an uninterrupted one does.
+"""
+import dataclasses
+import math
+import time
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from mm_grpo.grpo.advantages import NonFiniteRewardError, group_advantages
+from mm_grpo.grpo.loss import grpo_loss
+from mm_grpo.grpo.timesteps import SlidingWindow, dance_grpo_timesteps, flow_grpo_timesteps, window_timesteps
+from mm_grpo.parallel.pipeline import forward_backward, make_velocity_fn
+from mm_grpo.rollout import get_sampler, rollout, sigma_schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOSettings:
+    global_batch_size: int  # generations per iteration, all data-parallel ranks together
+    micro_batch_size: int = 1  # rollout forward and training micro-batch (equal: ratio == 1 exactly)
+    num_generations: int = 12
+    num_inference_steps: int = 16
+    sigma_shift: float = 3.0
+    sampler: str = "dance_sde"
+    noise_level: Optional[float] = None
+    init_same_noise: bool = False
+    guidance_scale: float = 3.5
+    height: int = 64
+    width: int = 64
+    timestep_selection: str = "random"  # random (DanceGRPO) | ordered (Flow-GRPO) | window (MixGRPO)
+    timestep_fraction: float = 0.6
+    window_size: int = 3
+    window_shift_every: int = 25
+    clip_range: float = 1e-4
+    adv_clip_max: float = 5.0
+    global_std: bool = False
+    kl_beta: float = 0.0
+    updates_per_rollout: int = 1
+    seed: int = 1234
+
+    def check(self, dp_size: int):
+        g, n = self.num_generations, self.global_batch_size
+        if n % g:
+            raise ValueError(f"global batch size {n} must be a multiple of --num-generations {g}")
+        per_update = n // self.updates_per_rollout
+        if n % self.updates_per_rollout or per_update % (dp_size * self.micro_batch_size):
+            raise ValueError(
+                f"global batch size {n} must split into --updates-per-rollout {self.updates_per_rollout} "
+                f"parts, each divisible by data-parallel size {dp_size} x micro-batch size {self.micro_batch_size}")
+        if self.sampler == "ode":
+            raise ValueError("the ode sampler has no log-probabilities: choose an SDE sampler to train")
+
+    @property
+    def prompts_per_iteration(self) -> int:
+        return self.global_batch_size // self.num_generations
+
+
+def _generator(*keys):
+    """A CPU generator seeded from integers (stable across runs and layouts)."""
+    seed = 0
+    for k in keys:
+        seed = (seed * 1_000_003 + int(k)) % (2**63 - 1)
+    return torch.Generator().manual_seed(seed)
+
+
+class GRPOSchedule:
+    """Runs GRPO iterations for this rank's model chunks.
+
+    conditioner(prompts) -> (prompt_embeds, pooled, txt_ids); decoder(x0, height, width) ->
+    images in [0, 1]; reward(images, prompts) -> (total [B], {name: [B]})."""
+
+    def __init__(self, settings: GRPOSettings, policy: list, optimizer, scheduler,
+                 conditioner: Callable, decoder: Callable, reward: Callable, ref_policy: Optional[list] = None,
+                 device=None):
+        self.s = settings
+        self.policy, self.ref_policy = policy, ref_policy
+        # The bare model chunks (inside DDP) serve the no-grad forwards of rollout and KL.
+        self.policy_modules = [getattr(c, "module", c) for c in policy]
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.conditioner, self.decoder, self.reward = conditioner, decoder, reward
+        self.device = device or torch.device("cpu")
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        settings.check(self.dp_size)
+        if settings.kl_beta > 0 and ref_policy is None:
+            raise ValueError("--kl-beta > 0 needs a reference policy")
+        self.sampler = get_sampler(settings.sampler, settings.noise_level)
+        self.sigmas = sigma_schedule(settings.num_inference_steps, settings.sigma_shift).to(self.device)
+        self.window = SlidingWindow(size=settings.window_size, every=settings.window_shift_every)
+        self.grid = (settings.height // 16, settings.width // 16)  # packed latent grid (VAE 8 x pack 2)
+
+    # --- sample bookkeeping -------------------------------------------------------
+    def local_samples(self) -> range:
+        per_rank = self.s.global_batch_size // self.dp_size
+        return range(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
+
+    def conditioning(self, prompts: List[str]):
+        embeds, pooled, txt_ids = self.conditioner(prompts)
+        from mm_grpo.pipeline.latents import prepare_latent_image_ids
+        img_ids = prepare_latent_image_ids(*self.grid, device=self.device, dtype=txt_ids.dtype)
+        guidance = torch.full((len(prompts),), self.s.guidance_scale, device=self.device)
+        return dict(encoder_hidden_states=embeds.to(self.device), pooled_projections=pooled.to(self.device),
+                    txt_ids=txt_ids.to(self.device), img_ids=img_ids, guidance=guidance)
+
+    def noise(self, iteration: int, samples: range, channels: int):
+        """Initial noise [B, S, C] and step noise [B, N, S, C], per global sample index."""
+        tokens, n = self.grid[0] * self.grid[1], self.s.num_inference_steps
+        init, steps = [], []
+        for s in samples:
+            key = s // self.s.num_generations if self.s.init_same_noise else s
+            init.append(torch.randn(tokens, channels, generator=_generator(self.s.seed, iteration, 0, key)))
+            steps.append(torch.randn(n, tokens, channels, generator=_generator(self.s.seed, iteration, 1, s)))
+        return torch.stack(init).to(self.device), torch.stack(steps).to(self.device)
+
+    def sde_window(self, iteration: int):
+        if self.s.timestep_selection != "window":
+            return None
+        return self.window.bounds(iteration, self.s.num_inference_steps)
+
+    def trained_steps(self, iteration: int, samples: range) -> torch.Tensor:
+        """[B, K] indices of the transitions trained for each sample."""
+        n, sel = self.s.num_inference_steps, self.s.timestep_selection
+        if sel == "window":
+            return window_timesteps(len(samples), self.sde_window(iteration), n)
+        if sel == "ordered":
+            return flow_grpo_timesteps(len(samples), n, self.s.timestep_fraction)
+        return torch.cat([dance_grpo_timesteps(1, n, self.s.timestep_fraction,
+                                               generator=_generator(self.s.seed, iteration, 2, s))
+                          for s in samples])
+
+    # --- the four phases ------------------------------------------------------------
+    @torch.no_grad()
+    def sample(self, iteration: int, prompts: List[str], samples: range, cond: dict, window=None):
+        x0, step_noise = self.noise(iteration, samples, self.policy_modules[0].flux_config.in_channels)
+        velocity = make_velocity_fn(self.policy_modules, cond, self.s.micro_batch_size)
+        return rollout(velocity, x0, self.sigmas, self.sampler, sde_window=window, noise=step_noise)
+
+    def score(self, x0_hat, prompts):
+        images = self.decoder(x0_hat, self.s.height, self.s.width)
+        total, per_reward = self.reward(images, prompts)
+        return images, total.float().to(self.device), {k: v.float().to(self.device) for k, v in per_reward.items()}
+
+    def micro_batches(self, traj, cond, advantages, steps, rows):
+        """(trajectory, timestep) pairs as forward kwargs: the k-th trained step of `mbs` samples."""
+        mbs, out = self.s.micro_batch_size, []
+        for k in range(steps.shape[1]):
+            for j in range(0, len(rows), mbs):
+                r = torch.as_tensor(rows[j:j + mbs])
+                t = steps[r, k].to(self.device)
+                out.append(dict(
+                    hidden_states=traj.latents[r, t], x_next=traj.latents[r, t + 1],
+                    timestep=self.sigmas[t], sigma_next=self.sigmas[t + 1],
+                    old_log_prob=traj.log_probs[r, t], advantages=advantages[r],
+                    encoder_hidden_states=cond["encoder_hidden_states"][r],
+                    pooled_projections=cond["pooled_projections"][r], guidance=cond["guidance"][r],
+                    txt_ids=cond["txt_ids"], img_ids=cond["img_ids"]))
+        return out
+
+    def attach_reference(self, micro_batches):
+        """Reference-policy step means for the KL term (forward-only, before training)."""
+        for mb in micro_batches:
+            cond = {k: mb[k] for k in ("encoder_hidden_states", "pooled_projections", "txt_ids", "img_ids",
+                                       "guidance")}
+            v_ref = make_velocity_fn(self.ref_policy, cond, self.s.micro_batch_size)(mb["hidden_states"],
+                                                                                       mb["timestep"])
+            mb["ref_mean"] = self.sampler(mb["hidden_states"], v_ref, mb["timestep"], mb["sigma_next"],
+                                          x_next=mb["x_next"]).mean
+
+    def loss_fn(self, v, mb):
+        step = self.sampler(mb["hidden_states"], v, mb["timestep"], mb["sigma_next"], x_next=mb["x_next"])
+        return grpo_loss(step.log_prob, mb["old_log_prob"], mb["advantages"], clip_range=self.s.clip_range,
+                         kl_beta=self.s.kl_beta, mean=step.mean, ref_mean=mb.get("ref_mean"), std=step.std)
+
+    def update(self, micro_batches):
+        """One optimizer step over `micro_batches` (gradients accumulated over all of them)."""
+        for chunk in self.policy:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        if self.ref_policy is not None and self.s.kl_beta > 0:
+            self.attach_reference(micro_batches)
+        per_mb = forward_backward(self.policy, micro_batches, self.loss_fn)
+        stats = {k: torch.stack([m[k].float() for m in per_mb]) for k in per_mb[0]}
+        loss = self._dp_mean(stats["loss"].mean())
+        out = {"loss": loss, "ratio_mean": self._dp_mean(stats["ratio_mean"].mean()),
+               "ratio_min": -self._dp_max(-stats["ratio_min"].min()),
+               "ratio_max": self._dp_max(stats["ratio_max"].max()),
+               "ratio_first_mb_min": per_mb[0]["ratio_min"].item(),
+               "ratio_first_mb_max": per_mb[0]["ratio_max"].item(),
+               "clip_frac": self._dp_mean(stats["clip_frac"].mean()),
+               "approx_kl": self._dp_mean(stats["approx_kl"].mean()), "kl": self._dp_mean(stats["kl"].mean())}
+        if not self._all_finite(loss):
+            out.update(skipped=1.0, grad_norm=float("nan"), skip_reason="non-finite loss or gradient")
+            return out
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        out.update(skipped=0.0 if ok else 1.0, grad_norm=float(grad_norm) if grad_norm is not None else 0.0)
+        return out
+
+    def _all_finite(self, loss) -> bool:
+        """Loss and every gradient finite, agreed by all ranks (the optimizer step is collective)."""
+        finite = math.isfinite(loss) and all(
+            bool(torch.isfinite(getattr(p, "main_grad", p.grad)).all())
+            for chunk in self.policy for p in chunk.parameters() if p.requires_grad)
+        flag = torch.tensor(1.0 if finite else 0.0)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    # --- one iteration ----------------------------------------------------------------
+    def iteration(self, iteration: int, prompts: List[str]) -> dict:
+        """prompts: this iteration's prompts (the same list on every rank)."""
+        if len(prompts) != self.s.prompts_per_iteration:
+            raise ValueError(f"expected {self.s.prompts_per_iteration} prompts, got {len(prompts)}")
+        t0 = time.time()
+        samples = self.local_samples()
+        local_prompts = [prompts[s // self.s.num_generations] for s in samples]
+        cond = self.conditioning(local_prompts)
+        window = self.sde_window(iteration)
+        traj = self.sample(iteration, local_prompts, samples, cond, window)
+        t1 = time.time()
+        _, rewards, per_reward = self.score(traj.x0_hat, local_prompts)
+        stats = {f"reward/{k}": self._dp_mean(v.mean()) for k, v in per_reward.items()}
+        stats.update({"reward/mean": self._dp_mean(rewards.mean()), "reward/std": self._dp_std(rewards)})
+        try:
+            groups = torch.tensor([s // self.s.num_generations for s in samples], device=self.device)
+            adv = group_advantages(rewards, groups, clip_max=self.s.adv_clip_max, global_std=self.s.global_std,
+                                   process_group=self.dp_group if self.dp_size > 1 else None)
+        except NonFiniteRewardError as e:
+            return dict(stats, skipped=1.0, skip_reason=str(e), time_rollout=t1 - t0, time_reward=time.time() - t1)
+        stats.update({"adv/mean": self._dp_mean(adv.mean()), "adv/abs_max": self._dp_max(adv.abs().max())})
+        t2 = time.time()
+        steps = self.trained_steps(iteration, samples)
+        parts = torch.arange(len(samples)).chunk(self.s.updates_per_rollout)
+        updates = [self.update(self.micro_batches(traj, cond, adv, steps, part.tolist())) for part in parts]
+        for key in dict.fromkeys(k for u in updates for k in u):
+            values = [u[key] for u in updates if key in u]
+            first_only = key.startswith("ratio_first") or key == "skip_reason"
+            stats[key] = values[0] if first_only else sum(values) / len(values)
+        t3 = time.time()
+        stats.update(time_rollout=t1 - t0, time_reward=t2 - t1, time_train=t3 - t2,
+                     samples_per_second=self.s.global_batch_size / (t3 - t0), lr=self.optimizer.param_groups[0]["lr"])
+        return stats
+
+    # --- reductions over data-parallel ranks -----------------------------------------
+    def _reduce(self, value, op):
+        t = torch.as_tensor(value, dtype=torch.float64, device=self.device).clone()
+        if self.dp_size > 1:
+            dist.all_reduce(t, op=op, group=self.dp_group)
+        return t.item()
+
+    def _dp_mean(self, value):
+        return self._reduce(value, dist.ReduceOp.SUM) / self.dp_size
+
+    def _dp_max(self, value):
+        return self._reduce(value, dist.ReduceOp.MAX)
+
+    def _dp_std(self, values):
+        n = self._reduce(values.numel(), dist.ReduceOp.SUM)
+        mean = self._reduce(values.double().sum(), dist.ReduceOp.SUM) / n
+        var = self._reduce(((values.double() - mean) ** 2).sum(), dist.ReduceOp.SUM) / max(n - 1, 1)
+        return var ** 0.5

@@ -1,0 +1,30 @@
+"""Sampling side of GRPO: sigma schedule, sampler steps with log-probs, batched rollout."""
+from mm_grpo.rollout.samplers import (
+    SAMPLERS,
+    StepOutput,
+    cps_step,
+    dance_sde_step,
+    flow_sde_step,
+    gaussian_log_prob,
+    get_sampler,
+    ode_step,
+)
+from mm_grpo.rollout.schedule import sigma_schedule
+from mm_grpo.rollout.trajectory import Trajectory, Transition, check_window, initial_latents, rollout
+
+__all__ = [
+    "SAMPLERS",
+    "StepOutput",
+    "Trajectory",
+    "Transition",
+    "check_window",
+    "cps_step",
+    "dance_sde_step",
+    "flow_sde_step",
+    "gaussian_log_prob",
+    "get_sampler",
+    "initial_latents",
+    "ode_step",
+    "rollout",
+    "sigma_schedule",
+]

@@ -1,0 +1,160 @@
+"""Step functions of the flow-matching samplers GRPO trains through.
+
+Every step maps (x, v) at sigma to a sample at sigma_next < sigma. One function serves both
+phases: during rollout it is given `eps` and draws x' = mean + std * eps; during training it
+is given the stored `x_next` and scores it under the current policy's v. Both paths run the
+same floating-point operations, so the log-prob of an unchanged policy is reproduced bitwise
+and the PPO ratio starts at exactly 1.
+
+All arithmetic is float32 whatever the dtype of x and v (Flow-GRPO: "bf16 can overflow");
+`prev_sample` comes back in the dtype of x and the log-prob scores that very tensor.
+"""
+import dataclasses
+import functools
+import math
+from typing import Callable, Optional, Union
+
+import torch
+
+Sigma = Union[float, torch.Tensor]
+
+_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """One sampler step. `mean`, `std`, `x0_hat` are float32; `std` is 0-d or [B, 1, ...]."""
+
+    prev_sample: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+    log_prob: Optional[torch.Tensor]  # [B]; None when the step is deterministic
+    x0_hat: torch.Tensor
+
+
+def gaussian_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """log N(sample; mean, std^2) averaged over all non-batch dims, in float32 -> [B].
+
+    The sample is detached, as in DanceGRPO / Flow-GRPO: gradients flow through the mean only.
+    """
+    log_prob = -((sample.detach().float() - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
+    return log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
+
+
+def _per_sample(value: Sigma, x: torch.Tensor, name: str) -> torch.Tensor:
+    """A scalar stays 0-d; a [B] tensor becomes [B, 1, ...] to broadcast over x."""
+    t = torch.as_tensor(value, dtype=torch.float32, device=x.device)
+    if t.ndim == 0:
+        return t
+    if t.ndim == 1 and t.shape[0] == x.shape[0]:
+        return t.view(-1, *([1] * (x.ndim - 1)))
+    raise ValueError(f"{name} must be a scalar or a [B={x.shape[0]}] tensor, got shape {tuple(t.shape)}")
+
+
+def _prepare(x, v, sigma, sigma_next, eps, x_next):
+    if x.ndim < 2:
+        raise ValueError(f"x must be batched [B, ...] with at least 2 dims, got shape {tuple(x.shape)}")
+    for name, t in (("v", v), ("eps", eps), ("x_next", x_next)):
+        if t is not None and t.shape != x.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but x has {tuple(x.shape)}; they must match")
+    if eps is not None and x_next is not None:
+        raise ValueError("pass either eps (rollout) or x_next (training) to a sampler step, not both")
+    return x.float(), v.float(), _per_sample(sigma, x, "sigma"), _per_sample(sigma_next, x, "sigma_next")
+
+
+def _check_noise_level(name: str, noise_level: float) -> None:
+    upper = 1.0 if name == "cps" else math.inf  # cps: std = sigma_next * sin(a*pi/2) needs a <= 1
+    if not 0 < noise_level <= upper:
+        raise ValueError(f"{name} noise_level must be in (0, {upper}], got {noise_level!r}")
+
+
+def _deterministic(x, mean, std, x0_hat, x_next) -> StepOutput:
+    prev = x_next if x_next is not None else mean.to(x.dtype)
+    return StepOutput(prev, mean, std, None, x0_hat)
+
+
+def _stochastic(x, mean, std, x0_hat, eps, x_next) -> StepOutput:
+    positive = std > 0
+    if not bool(positive.all()):
+        if bool((std == 0).all()):  # e.g. cps into sigma = 0: no noise, no density
+            return _deterministic(x, mean, std, x0_hat, x_next)
+        bad = int((~positive).sum())
+        raise ValueError(
+            f"sampler std is not > 0 for {bad} of {positive.numel()} samples: "
+            "sigma_next must be < sigma, and a zero-noise step (cps into sigma=0) cannot be trained"
+        )
+    if x_next is None:
+        if eps is None:
+            raise ValueError("a stochastic sampler step needs eps (rollout) or x_next (training)")
+        x_next = (mean + std * eps.float()).to(x.dtype)
+    return StepOutput(x_next, mean, std, gaussian_log_prob(x_next, mean, std), x0_hat)
+
+
+def dance_sde_step(x, v, sigma, sigma_next, *, eps=None, x_next=None, noise_level: float = 0.3) -> StepOutput:
+    """DanceGRPO's SDE step; noise_level is its eta."""
+    _check_noise_level("dance_sde", noise_level)
+    x32, v32, s, s_next = _prepare(x, v, sigma, sigma_next, eps, x_next)
+    d = s_next - s
+    x0_hat = x32 - s * v32
+    score = -(x32 - (1 - s) * x0_hat) / s**2
+    mean = x32 + d * v32 + d * (-0.5 * noise_level**2 * score)
+    std = noise_level * torch.sqrt(s - s_next)
+    return _stochastic(x, mean, std, x0_hat, eps, x_next)
+
+
+def flow_sde_step(x, v, sigma, sigma_next, *, eps=None, x_next=None, noise_level: float = 0.7) -> StepOutput:
+    """Flow-GRPO's SDE step; noise_level is its a.
+
+    std_t = a * sqrt(sigma / (1 - sigma)) is infinite at sigma = 1, where Flow-GRPO puts the
+    schedule's sigma_1 in the denominator. The step out of sigma = 1 always goes to sigma_1,
+    so sigma_next stands in for it and the function needs no schedule.
+    """
+    _check_noise_level("flow_sde", noise_level)
+    x32, v32, s, s_next = _prepare(x, v, sigma, sigma_next, eps, x_next)
+    dt = s_next - s
+    std_t = noise_level * torch.sqrt(s / (1 - torch.where(s == 1, s_next, s)))
+    mean = x32 * (1 + std_t**2 / (2 * s) * dt) + v32 * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
+    std = std_t * torch.sqrt(-dt)
+    return _stochastic(x, mean, std, x32 - s * v32, eps, x_next)
+
+
+def cps_step(x, v, sigma, sigma_next, *, eps=None, x_next=None, noise_level: float = 0.7) -> StepOutput:
+    """Coefficient-preserving step: the noise in x' keeps total variance sigma_next^2.
+
+    x' = (1 - sigma_next) x0_hat + sqrt(sigma_next^2 - std^2) x1_hat + std * eps with
+    std = sigma_next * sin(a pi / 2). Into sigma_next = 0 the step has no noise (log_prob None).
+    """
+    _check_noise_level("cps", noise_level)
+    x32, v32, s, s_next = _prepare(x, v, sigma, sigma_next, eps, x_next)
+    std = s_next * math.sin(noise_level * math.pi / 2)
+    x0_hat = x32 - s * v32
+    x1_hat = x32 + (1 - s) * v32
+    # clamp: at a = 1 rounding could leave a tiny negative under the root
+    mean = (1 - s_next) * x0_hat + torch.sqrt((s_next**2 - std**2).clamp_min(0)) * x1_hat
+    return _stochastic(x, mean, std, x0_hat, eps, x_next)
+
+
+def ode_step(x, v, sigma, sigma_next, *, eps=None, x_next=None) -> StepOutput:
+    """Deterministic Euler step x + (sigma_next - sigma) v; log_prob None (not trainable).
+
+    `eps` is accepted and ignored so that the rollout loop can call every step alike.
+    """
+    x32, v32, s, s_next = _prepare(x, v, sigma, sigma_next, None, x_next)
+    mean = x32 + (s_next - s) * v32
+    return _deterministic(x, mean, torch.zeros_like(s), x32 - s * v32, x_next)
+
+
+SAMPLERS = {"dance_sde": dance_sde_step, "flow_sde": flow_sde_step, "cps": cps_step, "ode": ode_step}
+
+
+def get_sampler(name: str, noise_level: Optional[float] = None) -> Callable[..., StepOutput]:
+    """The step function registered as `name`, with `noise_level` bound (None keeps its default)."""
+    if name not in SAMPLERS:
+        raise ValueError(f"unknown sampler {name!r}; valid samplers: {', '.join(SAMPLERS)}")
+    step = SAMPLERS[name]
+    if noise_level is None:
+        return step
+    if step is ode_step:
+        raise ValueError("the ode sampler is deterministic and takes no noise_level")
+    _check_noise_level(name, noise_level)
+    return functools.partial(step, noise_level=noise_level)

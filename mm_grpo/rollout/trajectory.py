@@ -1,0 +1,150 @@
+"""Model-independent batched rollout: runs a sampler over a velocity callable and records
+everything GRPO training needs (latents at every step, per-step log-probs, SDE steps)."""
+import dataclasses
+import operator
+from typing import Callable, Optional, Sequence, Tuple, Union
+
+import torch
+
+from mm_grpo.rollout.samplers import StepOutput, get_sampler, ode_step
+
+VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclasses.dataclass
+class Transition:
+    """One trained step per sample, gathered from a trajectory (all fields have B rows)."""
+
+    x: torch.Tensor
+    x_next: torch.Tensor
+    sigma: torch.Tensor  # [B]
+    sigma_next: torch.Tensor  # [B]
+    log_prob: torch.Tensor  # [B], the rollout (old-policy) log-prob
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """A batch of rollouts over N steps.
+
+    latents:   [B, N+1, ...] in the dtype of the initial latents (latents[:, 0] = noise)
+    log_probs: [B, N] float32, NaN at deterministic (ODE) steps
+    is_sde:    [N] bool, the steps that drew noise and have a log-prob
+    x0_hat:    [B, ...] float32, the last step's x0 prediction: the latent to decode
+    """
+
+    sigmas: torch.Tensor
+    latents: torch.Tensor
+    log_probs: torch.Tensor
+    is_sde: torch.Tensor
+    x0_hat: torch.Tensor
+
+    def transition(self, steps: Union[int, torch.Tensor]) -> Transition:
+        """The transition steps[b] -> steps[b]+1 of every sample b (an int: the same for all)."""
+        batch, num_steps = self.log_probs.shape
+        steps = torch.as_tensor(steps, dtype=torch.long, device=self.latents.device)
+        if steps.ndim > 1 or (steps.ndim == 1 and steps.shape[0] != batch):
+            raise ValueError(f"steps must be an int or a [B={batch}] tensor, got shape {tuple(steps.shape)}")
+        steps = steps.expand(batch)
+        if bool(((steps < 0) | (steps >= num_steps)).any()):
+            raise ValueError(f"step indices must lie in [0, {num_steps}), got {steps.tolist()}")
+        if not bool(self.is_sde[steps].all()):
+            ode = steps[~self.is_sde[steps]].unique().tolist()
+            raise ValueError(f"steps {ode} are deterministic (ODE) steps: no log-prob to train")
+        rows = torch.arange(batch, device=self.latents.device)
+        return Transition(
+            self.latents[rows, steps],
+            self.latents[rows, steps + 1],
+            self.sigmas[steps],
+            self.sigmas[steps + 1],
+            self.log_probs[rows, steps],
+        )
+
+
+def check_window(window: Optional[Sequence[int]], num_steps: int) -> Tuple[int, int]:
+    """Validates an SDE window (start, end), steps start..end-1; None means every step."""
+    if window is None:
+        return 0, num_steps
+    try:
+        start, end = (operator.index(i) for i in window)
+    except (TypeError, ValueError):
+        raise ValueError(f"sde window must be two ints (start, end), got {window!r}") from None
+    if not 0 <= start < end <= num_steps:
+        raise ValueError(f"sde window {(start, end)} must satisfy 0 <= start < end <= {num_steps} (number of steps)")
+    return start, end
+
+
+def initial_latents(
+    num_groups: int,
+    group_size: int,
+    shape: Sequence[int],
+    *,
+    same_noise_within_group: bool = False,
+    generator: Optional[torch.Generator] = None,
+    device=None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Initial noise [num_groups * group_size, *shape], group-major (rows g*G..g*G+G-1 are group g).
+
+    With same_noise_within_group every generation of a group starts from the same noise
+    (Flow-GRPO's init_same_noise). Drawn in float32 on the generator's device, then cast.
+    """
+    if num_groups < 1 or group_size < 1:
+        raise ValueError(f"num_groups and group_size must be >= 1, got {num_groups} and {group_size}")
+    rows = num_groups if same_noise_within_group else num_groups * group_size
+    draw_device = generator.device if generator is not None else device
+    noise = torch.randn((rows, *shape), generator=generator, device=draw_device, dtype=torch.float32)
+    if same_noise_within_group:
+        noise = noise.repeat_interleave(group_size, dim=0)
+    return noise.to(device=device, dtype=dtype)
+
+
+@torch.no_grad()
+def rollout(
+    velocity_fn: VelocityFn,
+    latents: torch.Tensor,
+    sigmas: torch.Tensor,
+    sampler: Union[str, Callable[..., StepOutput]] = "dance_sde",
+    *,
+    sde_window: Optional[Sequence[int]] = None,
+    generator: Optional[torch.Generator] = None,
+    noise: Optional[torch.Tensor] = None,
+) -> Trajectory:
+    """Samples the whole batch from sigmas[0] to sigmas[-1].
+
+    velocity_fn(x, sigma[B]) -> v closes over the conditioning (text embeddings, ids, guidance).
+    Steps inside sde_window = (start, end) use `sampler`; the others are ODE (MixGRPO).
+    Step noise comes from `noise` [B, N, ...] if given, else from `generator`; it is drawn
+    for every step, ODE ones included, so the noise of step i does not depend on the window.
+    """
+    step_fn = get_sampler(sampler) if isinstance(sampler, str) else sampler
+    if sigmas.ndim != 1 or sigmas.numel() < 2:
+        raise ValueError(f"sigmas must be 1-D with N+1 >= 2 entries, got shape {tuple(sigmas.shape)}")
+    if latents.ndim < 2:
+        raise ValueError(f"latents must be batched [B, ...], got shape {tuple(latents.shape)}")
+    sigmas = sigmas.to(device=latents.device, dtype=torch.float32)
+    batch, num_steps = latents.shape[0], sigmas.numel() - 1
+    start, end = check_window(sde_window, num_steps)
+    if noise is not None and noise.shape != (batch, num_steps, *latents.shape[1:]):
+        raise ValueError(
+            f"noise must have shape {(batch, num_steps, *latents.shape[1:])} [B, N, ...], got {tuple(noise.shape)}"
+        )
+    draw_device = generator.device if generator is not None else latents.device
+
+    x = latents
+    states = [x]
+    log_probs = torch.full((batch, num_steps), float("nan"), device=x.device)
+    is_sde = torch.zeros(num_steps, dtype=torch.bool, device=x.device)
+    for i in range(num_steps):
+        v = velocity_fn(x, sigmas[i].repeat(batch))
+        if noise is not None:
+            eps = noise[:, i]
+        else:
+            eps = torch.randn(x.shape, generator=generator, device=draw_device).to(x.device)
+        step = step_fn if start <= i < end else ode_step
+        out = step(x, v, sigmas[i], sigmas[i + 1], eps=eps)
+        if out.log_prob is not None:
+            log_probs[:, i] = out.log_prob
+            is_sde[i] = True
+        x = out.prev_sample
+        states.append(x)
+    return Trajectory(sigmas, torch.stack(states, dim=1), log_probs, is_sde, out.x0_hat)

@@ -1,0 +1,116 @@
+"""Megatron-style command line of the training entries (GRPO and flow-matching).
+
+Names and meanings follow Megatron-LM / MindSpeed-MM so that launch scripts carry over:
+parallel sizes, batch sizes, optimizer, checkpointing, logging, plus `--mm-model` /
+`--mm-data` (MindSpeed-MM's JSON configs) and a GRPO group.
+"""
+import argparse
+import json
+import os
+
+from mm_grpo.rollout.samplers import SAMPLERS
+
+
+def _add_megatron_args(p):
+    g = p.add_argument_group("distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-algo", default="ulysses_cp_algo", choices=["ulysses_cp_algo"])
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=30)
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples (generations) per iteration over all data-parallel ranks")
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true", help="bf16 compute with fp32 master weights")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="activation checkpointing, one FLUX block at a time")
+
+    g = p.add_argument_group("optimizer")
+    g.add_argument("--optimizer", default="adam", choices=["adam"])
+    g.add_argument("--lr", type=float, default=1e-5)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", default="constant", choices=["constant", "linear", "cosine"])
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--weight-decay", type=float, default=1e-4)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None,
+                   help="a training checkpoint to resume, or a converted `release` checkpoint to start from")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--ckpt-format", default="torch", choices=["torch"])
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--eval-interval", type=int, default=None)
+    g.add_argument("--save-image-interval", type=int, default=None)
+    g.add_argument("--no-progress-bar", action="store_true")
+
+    g = p.add_argument_group("mindspeed-mm")
+    g.add_argument("--mm-model", required=True, help="model.json (ae, text_encoder, predictor, reward)")
+    g.add_argument("--mm-data", required=True, help="data.json (dataset_param, dataloader_param)")
+    g.add_argument("--mm-tool", default=None, help="accepted for MindSpeed-MM compatibility; unused")
+
+
+def _add_grpo_args(p):
+    g = p.add_argument_group("grpo")
+    g.add_argument("--num-generations", type=int, default=12, help="G: images per prompt")
+    g.add_argument("--num-inference-steps", type=int, default=16, help="N denoising steps")
+    g.add_argument("--sigma-shift", type=float, default=3.0)
+    g.add_argument("--sampler", default="dance_sde", choices=sorted(SAMPLERS))
+    g.add_argument("--noise-level", type=float, default=None, help="eta / noise level (sampler default)")
+    g.add_argument("--init-same-noise", action="store_true", help="same initial noise within a group")
+    g.add_argument("--guidance-scale", type=float, default=3.5)
+    g.add_argument("--height", type=int, default=None, help="image height (model.json default)")
+    g.add_argument("--width", type=int, default=None)
+    g.add_argument("--timestep-selection", default="random", choices=["random", "ordered", "window"],
+                   help="DanceGRPO (random), Flow-GRPO (ordered) or MixGRPO sliding window")
+    g.add_argument("--timestep-fraction", type=float, default=0.6)
+    g.add_argument("--window-size", type=int, default=3, help="MixGRPO SDE window (steps; 4 of 25 in MixGRPO)")
+    g.add_argument("--window-shift-every", type=int, default=25, help="iterations per window move")
+    g.add_argument("--clip-range", type=float, default=1e-4)
+    g.add_argument("--adv-clip-max", type=float, default=5.0)
+    g.add_argument("--global-std", action="store_true", help="normalise advantages by the global std")
+    g.add_argument("--kl-beta", type=float, default=0.0)
+    g.add_argument("--updates-per-rollout", type=int, default=1,
+                   help="optimizer steps per rollout (the batch is split into this many parts)")
+    g.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per evaluation")
+
+
+def build_parser(grpo: bool = True):
+    p = argparse.ArgumentParser(description="mm-grpo training (Megatron-style arguments)",
+                                allow_abbrev=False)
+    _add_megatron_args(p)
+    if grpo:
+        _add_grpo_args(p)
+    return p
+
+
+def load_json(path, what):
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{what} not found: {path}")
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what} {path} is not valid JSON: {e}") from None
+
+
+def parse_args(argv=None, grpo: bool = True):
+    args = build_parser(grpo).parse_args(argv)
+    args.mm_model_config = load_json(args.mm_model, "--mm-model")
+    args.mm_data_config = load_json(args.mm_data, "--mm-data")
+    return args

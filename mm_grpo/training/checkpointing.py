@@ -1,0 +1,102 @@
+"""Training checkpoints in the converter's layout, and resuming from them.
+
+    <save>/iter_0000100/mp_rank_XX[_YYY]/model_optim_rng.pt
+        {model | model0, model1..., optimizer, opt_param_scheduler, rng_state, iteration,
+         consumed_prompts, checkpoint_version}
+    <save>/iter_0000100/mp_rank_XX[_YYY]/distrib_optim.pt     (--use-distributed-optimizer)
+    <save>/latest_checkpointed_iteration.txt                  written last, atomically
+
+The data-parallel (and context-parallel) rank 0 of every TP x PP position writes its shard;
+all shards go to a temporary folder that is renamed once every rank is done.
+"""
+import os
+import random
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from mm_grpo.checkpoint.loader import load_megatron_checkpoint
+from mm_grpo.checkpoint.metadata import CheckpointMeta
+from mm_grpo.checkpoint.paths import RELEASE, SHARD_FILE, iteration_dir, model_key
+from mm_grpo.checkpoint.shard_io import ShardReader
+from mm_grpo.checkpoint.writer import CheckpointWriter
+
+DISTRIB_OPTIM_FILE = "distrib_optim.pt"
+
+
+def _rng_state():
+    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
+             "python_version": random.getstate()[0], "python_gauss": random.getstate()[2]}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state):
+    torch.set_rng_state(state["torch"])
+    random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _writes_shard():
+    return (parallel_state.get_data_parallel_rank() == 0
+            and parallel_state.get_context_parallel_rank() == 0)
+
+
+def save_checkpoint(root, iteration, model_chunks, optimizer, scheduler, meta: CheckpointMeta, extra: dict):
+    """Collective: every rank calls it. `model_chunks` are this rank's (DDP-wrapped) chunks."""
+    writer = CheckpointWriter(root, meta, iteration)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    shard_dir = os.path.dirname(writer.shard_path(tp_rank, pp_rank))
+    if getattr(optimizer.config, "use_distributed_optimizer", False):
+        os.makedirs(shard_dir, exist_ok=True)  # the parameter state is gathered to DP rank 0
+        optimizer.save_parameter_state(os.path.join(shard_dir, DISTRIB_OPTIM_FILE))
+    if _writes_shard():
+        tree = {model_key(v, len(model_chunks)): _unwrap(c).state_dict() for v, c in enumerate(model_chunks)}
+        tree.update(optimizer=optimizer.state_dict(), opt_param_scheduler=scheduler.state_dict(),
+                    rng_state=_rng_state(), **extra)
+        writer.write_shard(tp_rank, pp_rank, tree)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        writer.commit()
+    dist.barrier()
+
+
+def _unwrap(chunk):
+    return chunk.module if hasattr(chunk, "module") else chunk
+
+
+def load_checkpoint(path, model_chunks, optimizer=None, scheduler=None, load_optim=True, load_rng=True):
+    """Load weights (any TP/PP) and, for an `iter_*` checkpoint of this layout, the training state.
+
+    Returns (iteration, extra) where extra holds e.g. `consumed_prompts`; a `release`
+    checkpoint (from the converter) gives iteration 0 and no extra state."""
+    folder = iteration_dir(path)
+    meta = load_megatron_checkpoint([_unwrap(c) for c in model_chunks], folder)
+    if os.path.basename(folder) == RELEASE:
+        return 0, {}
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    if (meta.tp_size, meta.pp_size, meta.vpp_size) != (tp_size, parallel_state.get_pipeline_model_parallel_world_size(),
+                                                       len(model_chunks)) and load_optim:
+        raise ValueError(f"{folder} was saved with TP={meta.tp_size} PP={meta.pp_size} VPP={meta.vpp_size}; "
+                         "optimizer state only resumes on the same layout (use --no-load-optim, or resplit)")
+    shard = os.path.join(folder, meta.shard_name(parallel_state.get_tensor_model_parallel_rank(),
+                                                 parallel_state.get_pipeline_model_parallel_rank()))
+    reader = ShardReader(os.path.join(shard, SHARD_FILE))
+    try:
+        state = {k: reader.load(k) for k in reader.tree if not str(k).startswith("model")}
+    finally:
+        reader.close()
+    if load_optim and optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        if getattr(optimizer.config, "use_distributed_optimizer", False):
+            optimizer.load_parameter_state(os.path.join(shard, DISTRIB_OPTIM_FILE))
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+    if load_rng:
+        _set_rng_state(state["rng_state"])
+    extra = {k: v for k, v in state.items()
+             if k not in ("optimizer", "opt_param_scheduler", "rng_state", "checkpoint_version")}
+    return int(state["iteration"]), extra

@@ -1,0 +1,73 @@
+"""Builds what a training run needs from MindSpeed-MM style configs (model.json, data.json).
+
+model.json:
+  {"predictor": {"model_id": "flux", "from_pretrained": PATH, "pipeline_num_layers": [..]},
+   "ae": {"from_pretrained": PIPELINE_DIR},
+   "text_encoder": {"from_pretrained": PIPELINE_DIR, "max_sequence_length": 512,
+                    "embeddings_cache": null},
+   "reward": [{"name": "hps", "path": ..., "weight": 1.0}, ...],
+   "image_size": [H, W]}
+data.json:
+  {"dataset_param": {"prompt_file": ..., "eval_prompt_file": ...},
+   "dataloader_param": {"shuffle": true, "seed": 1234}}
+String values may use $VARIABLES from the environment; relative paths are taken from the
+folder of the JSON file.
+"""
+import os
+
+from mm_grpo.data import PromptStream, read_prompts
+
+
+def resolve_paths(config, base_dir):
+    """Expand $VARS, and make relative `*path*` / `from_pretrained` / `*_file` entries absolute."""
+    if isinstance(config, dict):
+        out = {}
+        for k, v in config.items():
+            v = resolve_paths(v, base_dir)
+            if isinstance(v, str) and v and (k in ("from_pretrained", "path") or k.endswith(("_file", "_path",
+                                                                                                "_cache"))):
+                v = v if os.path.isabs(v) else os.path.normpath(os.path.join(base_dir, v))
+            out[k] = v
+        return out
+    if isinstance(config, list):
+        return [resolve_paths(v, base_dir) for v in config]
+    if isinstance(config, str):
+        expanded = os.path.expandvars(config)
+        if "$" in expanded:
+            raise ValueError(f"undefined environment variable in config value {config!r}")
+        return expanded
+    return config
+
+
+def block(config, name, source):
+    if name not in config:
+        raise ValueError(f"{source} has no {name!r} block")
+    return config[name]
+
+
+def prompt_streams(data_config, source, seed):
+    params = block(data_config, "dataset_param", source)
+    loader = data_config.get("dataloader_param", {})
+    if "prompt_file" not in params:
+        raise ValueError(f"{source}: dataset_param needs 'prompt_file'")
+    train = PromptStream(read_prompts(params["prompt_file"]), seed=loader.get("seed", seed),
+                         shuffle=loader.get("shuffle", True))
+    eval_prompts = read_prompts(params["eval_prompt_file"]) if params.get("eval_prompt_file") else None
+    return train, eval_prompts
+
+
+def conditioner(text_block, device, dtype):
+    """prompts -> (prompt_embeds, pooled, txt_ids), from a precomputed cache or the encoders."""
+    if text_block.get("embeddings_cache"):
+        from mm_grpo.pipeline.text import TextEmbeddingCache
+        cache = TextEmbeddingCache(text_block["embeddings_cache"])
+        return lambda prompts: cache.get(prompts, device=device)
+    from mm_grpo.pipeline.text import TextEncoders
+    kwargs = {"max_sequence_length": text_block["max_sequence_length"]} if "max_sequence_length" in text_block else {}
+    encoders = TextEncoders(block(text_block, "from_pretrained", "text_encoder"), device=device, dtype=dtype, **kwargs)
+    return encoders.encode
+
+
+def decoder(ae_block, device, dtype):
+    from mm_grpo.pipeline.vae import VaeDecoder
+    return VaeDecoder(block(ae_block, "from_pretrained", "ae"), device=device, dtype=dtype)

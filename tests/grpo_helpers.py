@@ -1,0 +1,43 @@
+"""Builds small GRPO runs on the tiny pipeline (shared by single- and multi-process tests)."""
+import json
+import os
+
+TRAIN_PROMPTS = ["a red circle", "a blue square", "a green triangle", "two yellow circles",
+                 "a purple square above a circle", "an orange triangle"]
+EVAL_PROMPTS = ["a white circle", "a black square"]
+
+
+def write_configs(folder, pipeline_dir, reward=None, prompts=TRAIN_PROMPTS):
+    """model.json, data.json and prompt files for the tiny pipeline; returns (model, data) paths."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "prompts.txt"), "w") as f:
+        f.write("\n".join(prompts) + "\n")
+    with open(os.path.join(folder, "eval.txt"), "w") as f:
+        f.write("\n".join(EVAL_PROMPTS) + "\n")
+    model = {"ae": {"from_pretrained": str(pipeline_dir)},
+             "text_encoder": {"from_pretrained": str(pipeline_dir), "max_sequence_length": 32},
+             "predictor": {"model_id": "flux", "from_pretrained": os.path.join(str(pipeline_dir), "transformer")},
+             "reward": reward or [{"name": "jpeg_compressibility", "weight": 1.0}],
+             "image_size": [32, 32]}
+    data = {"dataset_param": {"prompt_file": "prompts.txt", "eval_prompt_file": "eval.txt"},
+            "dataloader_param": {"shuffle": True, "seed": 7}}
+    paths = os.path.join(folder, "model.json"), os.path.join(folder, "data.json")
+    for path, cfg in zip(paths, (model, data)):
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+    return paths
+
+
+def grpo_argv(model_json, data_json, iters=2, extra=()):
+    return ["--mm-model", model_json, "--mm-data", data_json, "--train-iters", str(iters),
+            "--global-batch-size", "8", "--num-generations", "4", "--micro-batch-size", "2",
+            "--num-inference-steps", "6", "--lr", "1e-3", "--no-progress-bar", "--log-interval", "1000",
+            "--seed", "3", *extra]
+
+
+def run_grpo(argv):
+    """(history, run) of a GRPO run in this process group."""
+    from mm_grpo.training.arguments import parse_args
+    from mm_grpo.training.train_grpo import GRPORun
+    run = GRPORun(parse_args(list(argv)))
+    return run.train(), run

@@ -1,0 +1,160 @@
+"""Group advantages (single process and gathered over 2 gloo ranks) and the PPO-clip loss."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mm_grpo.grpo import NonFiniteRewardError, group_advantages, grpo_loss
+
+
+def test_hand_computed_advantages():
+    rewards = torch.tensor([1.0, 10.0, 2.0, 10.0, 3.0, 13.0])
+    groups = torch.tensor([0, 1, 0, 1, 0, 1])  # interleaved on purpose
+    r3 = math.sqrt(3)  # group 1: mean 11, deviations -1, -1, 2, unbiased var 3
+    expected = torch.tensor([-1.0, -1 / r3, 0.0, -1 / r3, 1.0, 2 / r3])
+    torch.testing.assert_close(group_advantages(rewards, groups), expected, rtol=1e-6, atol=1e-6)
+    # population std (Flow-GRPO): group 0 std sqrt(2/3), group 1 sqrt(2)
+    pop = torch.tensor([-math.sqrt(1.5), -1 / math.sqrt(2), 0.0, -1 / math.sqrt(2), math.sqrt(1.5), math.sqrt(2)])
+    torch.testing.assert_close(group_advantages(rewards, groups, unbiased=False), pop, rtol=1e-6, atol=1e-6)
+    # prompt strings group the same way
+    prompts = ["a cat", "a dog", "a cat", "a dog", "a cat", "a dog"]
+    assert torch.equal(group_advantages(rewards, prompts), group_advantages(rewards, groups))
+    # a group of equal rewards gets zero advantage, not a division by zero
+    assert group_advantages(torch.ones(4), [0, 0, 1, 1]).tolist() == [0.0] * 4
+
+
+def test_advantages_clip_and_global_std():
+    rewards = torch.tensor([0.0] * 49 + [1.0])  # the outlier sits 7 population stds above the mean
+    adv = group_advantages(rewards, torch.zeros(50, dtype=torch.long), unbiased=False)
+    assert adv[-1].item() == 5.0
+    assert adv[0].item() == pytest.approx(-0.02 / math.sqrt(0.02 * 0.98), rel=1e-6)
+    assert group_advantages(rewards, [0] * 50, unbiased=False, clip_max=10.0)[-1].item() == pytest.approx(7.0)
+
+    rewards = torch.tensor([1.0, 2.0, 3.0, 11.0, 12.0, 13.0])
+    groups = [0, 0, 0, 1, 1, 1]
+    std_all = rewards.double().std().item()  # about 5.5: the spread between the groups counts
+    expected = torch.tensor([-1.0, 0.0, 1.0, -1.0, 0.0, 1.0]) / std_all
+    torch.testing.assert_close(group_advantages(rewards, groups, global_std=True), expected.float())
+
+
+def test_non_finite_rewards_and_bad_groups():
+    with pytest.raises(NonFiniteRewardError, match="2 of 4 rewards are non-finite"):
+        group_advantages(torch.tensor([1.0, float("nan"), float("inf"), 0.0]), [0, 0, 1, 1])
+    with pytest.raises(ValueError, match=r"1 group\(s\) hold a single sample"):
+        group_advantages(torch.tensor([1.0, 2.0, 3.0]), [0, 0, 1])
+    with pytest.raises(ValueError, match="got 2 group ids for 3 rewards"):
+        group_advantages(torch.tensor([1.0, 2.0, 3.0]), [0, 0])
+    with pytest.raises(ValueError, match="rewards must be 1-D"):
+        group_advantages(torch.ones(2, 2), [0, 0])
+
+
+def _rank_worker(rank, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    rewards, prompts = _distributed_case()
+    rows = slice(0, 3) if rank == 0 else slice(3, 8)  # unequal row counts; groups span ranks
+    results = {
+        "group": group_advantages(rewards[rows], prompts[rows], process_group=dist.group.WORLD),
+        "global": group_advantages(rewards[rows], prompts[rows], global_std=True, process_group=dist.group.WORLD),
+    }
+    bad = rewards[rows].clone()
+    if rank == 1:
+        bad[0] = float("nan")
+    try:
+        group_advantages(bad, prompts[rows], process_group=dist.group.WORLD)
+    except NonFiniteRewardError as err:  # must be raised on rank 0 too, which holds no NaN
+        results["error"] = str(err)
+    torch.save(results, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _distributed_case():
+    rewards = torch.tensor([0.3, 0.9, 0.1, 0.4, 0.8, 0.2, 0.7, 0.6])
+    prompts = ["p0", "p1", "p0", "p1", "p0", "p1", "p0", "p1"]
+    return rewards, prompts
+
+
+def test_advantages_gathered_across_two_ranks(tmp_path):
+    mp.spawn(_rank_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    rewards, prompts = _distributed_case()
+    assert r0["group"].shape == (3,) and r1["group"].shape == (5,)
+    torch.testing.assert_close(torch.cat([r0["group"], r1["group"]]), group_advantages(rewards, prompts))
+    expected_global = group_advantages(rewards, prompts, global_std=True)
+    torch.testing.assert_close(torch.cat([r0["global"], r1["global"]]), expected_global)
+    assert r0["error"] == r1["error"] == "1 of 8 rewards are non-finite (NaN or inf)"
+
+
+def test_ratio_is_exactly_one_before_the_first_update():
+    old = torch.randn(6) * 40 - 100  # log-probs of realistic size
+    new = old.clone().requires_grad_()
+    adv = torch.randn(6)
+    loss, stats = grpo_loss(new, old, adv)
+    assert stats["ratio_min"].item() == 1.0 and stats["ratio_max"].item() == 1.0
+    assert stats["clip_frac"].item() == 0.0 and stats["approx_kl"].item() == 0.0
+    assert torch.equal(loss.detach(), (-adv).mean())
+    loss.backward()
+    torch.testing.assert_close(new.grad, -adv / 6)
+
+
+def test_loss_and_gradient_match_hand_computation():
+    c = 0.2
+    ratios = [1.5, 0.5, 1.5, 0.5, 1.1, 0.9]
+    advs = [1.0, 1.0, -1.0, -1.0, 2.0, -0.5]
+    old = torch.tensor([-3.0, 1.0, 0.5, -2.0, 4.0, 0.0])
+    new = (old + torch.tensor(ratios).log()).requires_grad_()
+    loss, stats = grpo_loss(new, old, torch.tensor(advs), clip_range=c)
+    loss.backward()
+    # per row: max(-A r, -A clip(r)); the gradient d/dlogp is -A r where the unclipped term wins, else 0
+    expected_terms, expected_grad = [], []
+    for r, a in zip(ratios, advs):
+        unclipped, clipped = -a * r, -a * min(max(r, 1 - c), 1 + c)
+        expected_terms.append(max(unclipped, clipped))
+        expected_grad.append(-a * r if unclipped >= clipped else 0.0)
+    # A > 0 above 1+c and A < 0 below 1-c are clipped (no gradient); the others are not
+    assert [g == 0.0 for g in expected_grad] == [True, False, False, True, False, False]
+    assert loss.item() == pytest.approx(sum(expected_terms) / 6, rel=1e-6)
+    torch.testing.assert_close(new.grad, torch.tensor(expected_grad) / 6, rtol=1e-5, atol=1e-7)
+    assert stats["clip_frac"].item() == pytest.approx(4 / 6)
+    assert stats["ratio_max"].item() == pytest.approx(1.5) and stats["ratio_min"].item() == pytest.approx(0.5)
+    assert stats["approx_kl"].item() == pytest.approx(0.5 * sum(math.log(r) ** 2 for r in ratios) / 6, rel=1e-5)
+
+
+def test_default_clip_range_bounds():
+    old = torch.zeros(4)
+    new = torch.tensor([2e-4, -2e-4, 2e-4, -2e-4]).requires_grad_()  # ratios just outside 1 +- 1e-4
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    loss, stats = grpo_loss(new, old, adv)
+    loss.backward()
+    r = new.detach().exp()
+    # float32 terms near 1 cancel to 5e-5; an unclipped row 0 would give 2.5e-5
+    assert loss.item() == pytest.approx((-(1 + 1e-4) - r[1].item() + r[2].item() + (1 - 1e-4)) / 4, abs=1e-7)
+    torch.testing.assert_close(new.grad, torch.stack([0 * r[0], -r[1], r[2], 0 * r[3]]) / 4)
+    assert stats["clip_frac"].item() == 1.0
+
+
+def test_kl_term_to_reference_policy():
+    g = torch.Generator().manual_seed(0)
+    mean = torch.randn(2, 3, 4, generator=g).requires_grad_()
+    ref_mean = torch.randn(2, 3, 4, generator=g)
+    std = torch.tensor([0.1, 0.2]).view(2, 1, 1)
+    logp = torch.zeros(2)
+    loss, stats = grpo_loss(logp, logp, torch.zeros(2), kl_beta=0.5, mean=mean, ref_mean=ref_mean, std=std)
+    per_sample = [((mean[b] - ref_mean[b]) ** 2).mean().item() / (2 * std[b].item() ** 2) for b in range(2)]
+    assert stats["kl"].item() == pytest.approx(sum(per_sample) / 2, rel=1e-6)
+    assert loss.item() == pytest.approx(0.5 * sum(per_sample) / 2, rel=1e-6)
+    loss.backward()  # d/dmean = beta * (mean - ref) / std^2 / (elements per sample * B)
+    torch.testing.assert_close(mean.grad, 0.5 * (mean - ref_mean).detach() / std**2 / (12 * 2))
+    loss /= 4  # megatron-core scales the returned loss in place; the reported stat must not follow
+    assert stats["loss"].item() == pytest.approx(0.5 * sum(per_sample) / 2, rel=1e-6)
+
+
+def test_loss_bad_input():
+    with pytest.raises(ValueError, match="equal 1-D") as info:
+        grpo_loss(torch.zeros(3), torch.zeros(3), torch.zeros(2))
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="kl_beta > 0 needs mean, ref_mean and std"):
+        grpo_loss(torch.zeros(3), torch.zeros(3), torch.zeros(3), kl_beta=0.1)
+    with pytest.raises(ValueError, match="clip_range > 0"):
+        grpo_loss(torch.zeros(3), torch.zeros(3), torch.zeros(3), clip_range=0.0)

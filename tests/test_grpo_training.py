@@ -1,0 +1,129 @@
+"""The GRPO schedule in the Megatron training loop, single process (CPU, fp32)."""
+import math
+
+import pytest
+import torch
+
+from mm_grpo.parallel.pipeline import make_velocity_fn
+from mm_grpo.rollout import rollout
+from tests.fixtures import parallel_1proc  # noqa: F401
+from tests.grpo_helpers import grpo_argv, run_grpo, write_configs
+
+
+@pytest.fixture(scope="module")
+def configs(tiny_pipeline_dir, tmp_path_factory):
+    return write_configs(tmp_path_factory.mktemp("grpo_cfg"), tiny_pipeline_dir)
+
+
+def _weights(run):
+    return {n: p.detach().clone() for n, p in run.schedule.policy_modules[0].named_parameters()}
+
+
+@pytest.mark.parametrize("train_mbs", [1, 4])
+def test_rollout_log_probs_equal_training_recomputation(parallel_1proc, configs, train_mbs):
+    """Rollout (micro-batch G = 4) vs the training path's recomputation at micro-batch 1 and G."""
+    _, run = run_grpo(grpo_argv(*configs, iters=0, extra=["--micro-batch-size", "4"]))
+    s = run.schedule
+    prompts = ["a red circle"] * 4
+    cond = s.conditioning(prompts)
+    x0, noise = s.noise(0, range(4), 16)
+    traj = rollout(make_velocity_fn(s.policy_modules, cond, 4), x0, s.sigmas, s.sampler, noise=noise)
+    steps = torch.arange(s.s.num_inference_steps - 1).repeat(4, 1)
+    s.s = s.s.__class__(**{**s.s.__dict__, "micro_batch_size": train_mbs})
+    worst = 0.0
+    with torch.no_grad():
+        for mb in s.micro_batches(traj, cond, torch.zeros(4), steps, list(range(4))):
+            v = s.policy_modules[0](**{k: mb[k] for k in ("hidden_states", "encoder_hidden_states",
+                                                         "pooled_projections", "timestep", "img_ids",
+                                                         "txt_ids", "guidance")})
+            logp = s.sampler(mb["hidden_states"], v, mb["timestep"], mb["sigma_next"], x_next=mb["x_next"]).log_prob
+            worst = max(worst, (logp - mb["old_log_prob"]).abs().max().item())
+    assert worst <= 1e-6
+
+
+def test_first_micro_batch_ratio_is_exactly_one_and_later_updates_move_it(parallel_1proc, configs):
+    history, _ = run_grpo(grpo_argv(*configs, iters=1, extra=["--updates-per-rollout", "2"]))
+    stats = history[0]
+    assert stats["ratio_first_mb_min"] == 1.0 and stats["ratio_first_mb_max"] == 1.0
+    # The second optimizer step of the same rollout sees the updated policy.
+    assert stats["ratio_max"] > 1.0 or stats["ratio_min"] < 1.0
+    for key in ("reward/mean", "reward/std", "reward/jpeg_compressibility", "adv/mean", "loss", "grad_norm",
+                "clip_frac", "lr", "time_rollout", "time_reward", "time_train", "samples_per_second"):
+        assert math.isfinite(stats[key]), key
+    assert stats["skipped"] == 0.0
+
+
+def test_resume_repeats_the_uninterrupted_run_exactly(parallel_1proc, configs, tmp_path):
+    full, run_full = run_grpo(grpo_argv(*configs, iters=4))
+    first, _ = run_grpo(grpo_argv(*configs, iters=2, extra=["--save", str(tmp_path / "ckpt")]))
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "2"
+    second, run_resumed = run_grpo(grpo_argv(*configs, iters=4, extra=["--load", str(tmp_path / "ckpt")]))
+    assert run_resumed.start_iteration == 2
+    rewards = [h["reward/mean"] for h in full]
+    assert [h["reward/mean"] for h in first + second] == rewards
+    assert [h["loss"] for h in first + second] == [h["loss"] for h in full]
+    a, b = _weights(run_full), _weights(run_resumed)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_non_finite_reward_or_loss_skips_the_iteration(parallel_1proc, configs):
+    _, run = run_grpo(grpo_argv(*configs, iters=0))
+    s, reward = run.schedule, run.schedule.reward
+    before = _weights(run)
+
+    def nan_reward(images, prompts):
+        total, per = reward(images, prompts)
+        return total * float("nan"), per
+    s.reward = nan_reward
+    stats = s.iteration(0, run.prompts.next_batch(2))
+    assert stats["skipped"] == 1.0 and "non-finite" in stats["skip_reason"]
+    assert all(torch.equal(before[n], w) for n, w in _weights(run).items())
+
+    s.reward, loss_fn = reward, s.loss_fn
+    s.loss_fn = lambda v, mb: (lambda out: (out[0] * float("nan"), out[1]))(loss_fn(v, mb))
+    stats = s.iteration(1, run.prompts.next_batch(2))
+    assert stats["skipped"] == 1.0
+    assert all(torch.equal(before[n], w) for n, w in _weights(run).items())
+
+    s.loss_fn = loss_fn  # training continues
+    stats = s.iteration(2, run.prompts.next_batch(2))
+    assert stats["skipped"] == 0.0
+    assert any(not torch.equal(before[n], w) for n, w in _weights(run).items())
+
+
+# --- bad input: clear errors before any work ------------------------------------------
+def _error(argv):
+    from mm_grpo.training.arguments import parse_args
+    from mm_grpo.training.train_grpo import GRPORun
+    GRPORun(parse_args(argv))
+
+
+def test_missing_or_empty_prompt_file(parallel_1proc, configs, tmp_path):
+    model, data = configs
+    import json
+    cfg = json.load(open(data))
+    for prompt_file, message in ((str(tmp_path / "nope.txt"), "prompt file not found"),
+                                 (str(tmp_path / "empty.txt"), "prompt file is empty")):
+        (tmp_path / "empty.txt").write_text("\n\n")
+        cfg["dataset_param"]["prompt_file"] = prompt_file
+        (tmp_path / "data.json").write_text(json.dumps(cfg))
+        with pytest.raises((FileNotFoundError, ValueError), match=message):
+            _error(grpo_argv(model, str(tmp_path / "data.json")))
+
+
+def test_reward_errors(parallel_1proc, tiny_pipeline_dir, tmp_path):
+    for reward, message in (([{"name": "hps", "path": str(tmp_path / "missing.pt")}], "missing.pt"),
+                            ([{"name": "beauty"}], "beauty")):
+        model, data = write_configs(tmp_path / reward[0]["name"], tiny_pipeline_dir, reward=reward)
+        with pytest.raises((FileNotFoundError, ValueError), match=message):
+            _error(grpo_argv(model, data))
+
+
+def test_unknown_sampler_and_indivisible_batch(parallel_1proc, configs, capsys):
+    with pytest.raises(SystemExit):
+        _error(grpo_argv(*configs, extra=["--sampler", "euler_ancestral"]))
+    assert "invalid choice: 'euler_ancestral'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="global batch size 8 must be a multiple of --num-generations 3"):
+        _error(grpo_argv(*configs, extra=["--num-generations", "3"]))
+    with pytest.raises(ValueError, match="micro-batch size 3"):
+        _error(grpo_argv(*configs, extra=["--micro-batch-size", "3"]))
