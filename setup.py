@@ -21,6 +21,8 @@ setup(
         "einops",
         "sentencepiece",
         "matplotlib",
+        "pillow",
+        "accelerate",  # diffusers' low-memory loading
     ],
     # torch_npu / mindspeed are used when present and never required.
     extras_require={"test": ["pytest>=8"], "npu": ["torch_npu", "mindspeed"]},

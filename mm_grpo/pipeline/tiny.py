@@ -1,0 +1,277 @@
+"""A tiny but complete diffusers FLUX pipeline folder, built locally (no hub).
+
+The folder has every component FluxPipeline needs, with the real classes and
+FLUX's real scheduler / VAE scaling settings, only shrunk: tests and CPU smoke
+runs load it through the same code paths as FLUX.1-dev. Both tokenizers are
+learnt here from a small caption corpus (CLIP: byte-level BPE;
+T5: a SentencePiece Unigram model, as T5's own), so nothing is downloaded.
+
+    python -m mm_grpo.pipeline.tiny --out DIR [--seed 0]
+"""
+import argparse
+import collections
+import io
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+# Captions the tiny tokenizers are trained on; prompts outside this vocabulary
+# still tokenize (rare characters map to <unk>).
+CAPTIONS = (
+    "a photo of a cat sitting on a red chair",
+    "an astronaut riding a horse on the moon",
+    "a bowl of fruit on a wooden table",
+    "a watercolor painting of a lighthouse at sunset",
+    "two dogs playing in the snow",
+    "a city street at night with neon signs",
+    "a portrait of an old man with a white beard",
+    "a small boat on a calm blue lake",
+    "a red apple next to a green pear",
+    "a mountain landscape with pine trees and fog",
+    "a close up of a sunflower in a field",
+    "a cup of coffee on a desk by the window",
+    "a robot reading a book in a library",
+    "an oil painting of a ship in a storm",
+    "a bird sitting on a branch in spring",
+    "a bowl of ramen with an egg and green onions",
+    "a child flying a kite on the beach",
+    "a castle on a hill under a starry sky",
+    "a black and white photo of a train station",
+    "a teddy bear wearing a blue hat",
+    "a glass of orange juice with ice",
+    "a fox running through the autumn forest",
+    "a futuristic car parked in front of a house",
+    "a vase of roses on a kitchen table",
+    "a snowy village at dawn, digital art",
+    "a dragon flying over the ocean, fantasy style",
+    "a plate of pasta with tomato sauce",
+    "an owl with yellow eyes at night",
+    "a bicycle leaning against a brick wall",
+    "three cats sleeping on a sofa",
+)
+
+# FLUX.1's transformer shrunk: D = 4 heads x 16 = 64; RoPE axes sum to the head dim.
+TRANSFORMER_CONFIG = dict(
+    patch_size=1,
+    in_channels=16,  # 4 latent channels packed 2x2
+    num_layers=2,
+    num_single_layers=4,
+    attention_head_dim=16,
+    num_attention_heads=4,
+    joint_attention_dim=32,  # = T5 d_model below
+    pooled_projection_dim=32,  # = CLIP hidden size below
+    guidance_embeds=True,
+    axes_dims_rope=[4, 6, 6],
+)
+
+# Four blocks = three 2x downsamples: VAE factor 8, as FLUX's. Scaling and shift
+# factors are FLUX.1's, so the latent normalisation path is exercised for real.
+VAE_CONFIG = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=["DownEncoderBlock2D"] * 4,
+    up_block_types=["UpDecoderBlock2D"] * 4,
+    block_out_channels=[8, 8, 16, 16],
+    layers_per_block=1,
+    latent_channels=4,
+    norm_num_groups=4,
+    sample_size=64,
+    scaling_factor=0.3611,
+    shift_factor=0.1159,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+    force_upcast=True,
+    mid_block_add_attention=True,
+)
+
+# FLUX.1-dev's scheduler_config.json.
+SCHEDULER_CONFIG = dict(
+    num_train_timesteps=1000,
+    shift=3.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=1.15,
+    base_image_seq_len=256,
+    max_image_seq_len=4096,
+)
+
+CLIP_TEXT_CONFIG = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    projection_dim=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=77,
+    hidden_act="quick_gelu",  # as CLIP-L
+)
+
+# T5 v1.1 layout (gated GELU, untied head) at d_model 32.
+T5_CONFIG = dict(
+    d_model=32,
+    d_kv=8,
+    d_ff=64,
+    num_layers=2,
+    num_heads=4,
+    relative_attention_num_buckets=32,
+    relative_attention_max_distance=128,
+    feed_forward_proj="gated-gelu",
+    dropout_rate=0.0,
+    tie_word_embeddings=False,
+)
+
+CLIP_BPE_MERGES = 300
+T5_VOCAB_SIZE = 200  # an upper bound: SentencePiece stops earlier on this corpus
+
+
+def build_clip_tokenizer():
+    """CLIPTokenizer with a byte-level BPE learnt on CAPTIONS, laid out as CLIP's vocab."""
+    from tokenizers import pre_tokenizers
+    from transformers import CLIPTokenizer
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    merges = _learn_bpe(_clip_words(CAPTIONS), CLIP_BPE_MERGES)
+    # CLIP's vocab order: bytes, bytes + "</w>", one token per merge, then the two specials.
+    tokens = alphabet + [b + "</w>" for b in alphabet] + ["".join(m) for m in merges]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=CLIP_TEXT_CONFIG["max_position_embeddings"])
+
+
+def _clip_words(texts):
+    """Word counts after CLIPTokenizer's own normaliser and byte-level pre-tokeniser."""
+    from transformers import CLIPTokenizer
+
+    backend = CLIPTokenizer()._tokenizer
+    counts = collections.Counter()
+    for text in texts:
+        normalized = backend.normalizer.normalize_str(text)
+        counts.update(word for word, _ in backend.pre_tokenizer.pre_tokenize_str(normalized))
+    return counts
+
+
+def _learn_bpe(word_counts, num_merges):
+    """Classic BPE (Sennrich et al.) with CLIP's "</w>" word ending. Ties go to the
+    smallest pair, so the merges are reproducible (the `tokenizers` trainer's are not)."""
+    words = {tuple(w[:-1]) + (w[-1] + "</w>",): n for w, n in sorted(word_counts.items())}
+    merges = []
+    for _ in range(num_merges):
+        pairs = collections.Counter()
+        for word, n in words.items():
+            for pair in zip(word, word[1:]):
+                pairs[pair] += n
+        if not pairs:
+            break
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        merges.append(best)
+        words = {_merge(word, best): n for word, n in words.items()}
+    return merges
+
+
+def _merge(word, pair):
+    out, i = [], 0
+    while i < len(word):
+        if word[i : i + 2] == pair:
+            out.append(word[i] + word[i + 1])
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return tuple(out)
+
+
+def build_t5_tokenizer():
+    """T5TokenizerFast over a SentencePiece Unigram model trained on CAPTIONS (pad 0, eos 1, unk 2 as T5)."""
+    import sentencepiece as spm
+    from transformers import T5TokenizerFast
+
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CAPTIONS),
+        model_writer=proto,
+        model_type="unigram",
+        vocab_size=T5_VOCAB_SIZE,
+        hard_vocab_limit=False,
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
+        normalization_rule_name="identity",
+        num_threads=1,  # single-threaded EM: the scores are bit-reproducible
+        minloglevel=2,
+    )
+    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    vocab = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
+    # FLUX never uses T5's sentinel tokens, so no <extra_id_*>.
+    return T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=512)
+
+
+def _seeded(seed, build):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()
+
+
+def build_tiny_components(seed=0):
+    """The seven FluxPipeline components, deterministic from `seed`."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    tokenizer, tokenizer_2 = build_clip_tokenizer(), build_t5_tokenizer()
+    clip_config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,  # CLIP pools at the first eos
+        pad_token_id=tokenizer.pad_token_id,
+        **CLIP_TEXT_CONFIG,
+    )
+    t5_config = T5Config(
+        vocab_size=len(tokenizer_2),
+        pad_token_id=tokenizer_2.pad_token_id,
+        eos_token_id=tokenizer_2.eos_token_id,
+        decoder_start_token_id=tokenizer_2.pad_token_id,
+        **T5_CONFIG,
+    )
+    # One seed per weight-bearing component: changing one does not shift the others.
+    return dict(
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
+        vae=_seeded(seed, lambda: AutoencoderKL(**VAE_CONFIG)),
+        text_encoder=_seeded(seed + 1, lambda: CLIPTextModel(clip_config)),
+        tokenizer=tokenizer,
+        text_encoder_2=_seeded(seed + 2, lambda: T5EncoderModel(t5_config)),
+        tokenizer_2=tokenizer_2,
+        transformer=_seeded(seed + 3, lambda: FluxTransformer2DModel(**TRANSFORMER_CONFIG)),
+    )
+
+
+def build_tiny_pipeline(path, seed=0):
+    """Write the tiny FLUX pipeline folder to `path` (which must not exist); returns the path."""
+    from diffusers import FluxPipeline
+
+    path = Path(path)
+    if path.exists():
+        raise FileExistsError(f"{path} already exists: remove it or choose another --out")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        pipe = FluxPipeline(**build_tiny_components(seed))
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder to create (must not exist)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(build_tiny_pipeline(args.out, args.seed))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Decode packed FLUX latents to images in [0, 1], as FluxPipeline's last step does."""
+from pathlib import Path
+
+import torch
+
+from mm_grpo.pipeline.latents import unpack_latents
+
+
+def load_vae(pipeline_dir, device="cpu", dtype=torch.float32):
+    from diffusers import AutoencoderKL
+
+    folder = Path(pipeline_dir) / "vae"
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"no VAE at {folder} (expected a diffusers pipeline folder with vae/config.json)")
+    return AutoencoderKL.from_pretrained(folder, torch_dtype=dtype).to(device).eval().requires_grad_(False)
+
+
+class VaeDecoder:
+    """Packed latents [B, S, 4C] -> images [B, 3, H, W] float32 in [0, 1], on the VAE's device."""
+
+    def __init__(self, pipeline_dir, device="cpu", dtype=torch.float32):
+        self.vae = load_vae(pipeline_dir, device, dtype)
+        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self.device = torch.device(device)
+
+    @torch.no_grad()
+    def __call__(self, packed_latents, height, width):
+        cfg = self.vae.config
+        latents = unpack_latents(packed_latents, height, width, self.vae_scale_factor)
+        # Undo the normalisation the transformer's latent space was trained in.
+        latents = latents / cfg.scaling_factor + cfg.shift_factor
+        images = self.vae.decode(latents.to(self.device, self.vae.dtype), return_dict=False)[0]
+        # VaeImageProcessor.denormalize: [-1, 1] -> [0, 1].
+        return (images * 0.5 + 0.5).clamp(0, 1).float()

@@ -1,0 +1,114 @@
+"""Reward interface, config and registry.
+
+A reward maps images [B, 3, H, W] (float in [0, 1], on the device) and their prompts to a
+float32 tensor [B]. Rewards are built from a `RewardConfig` by name; everything that can
+be wrong with a config (unknown name, missing or mismatched weights) fails at construction.
+"""
+import dataclasses
+import math
+from pathlib import Path
+
+import torch
+
+REWARDS = {}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass
+class RewardConfig:
+    """One reward. Fields a reward does not use are ignored by it.
+
+    name: registry key (see `REWARDS`).
+    path: weights: a file (open_clip / aesthetic head) or a folder (transformers CLIP).
+    weight: its weight in `CombinedReward` (0 = computed and logged, not optimised).
+    arch: open_clip architecture name (`hps`: ViT-H-14 by default; `clip_score`: required).
+    clip_path: `aesthetic` only: transformers CLIP folder whose image features feed the head.
+    dtype: "float32", "bfloat16" or "float16" for the reward model.
+    """
+
+    name: str
+    path: str | None = None
+    weight: float = 1.0
+    arch: str | None = None
+    clip_path: str | None = None
+    dtype: str = "float32"
+
+    @classmethod
+    def from_any(cls, cfg):
+        if isinstance(cfg, cls):
+            return cfg
+        if not isinstance(cfg, dict):
+            raise ValueError(f"reward config must be a dict or RewardConfig, got {type(cfg).__name__}")
+        unknown = set(cfg) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown reward config key(s) {sorted(unknown)} in {cfg}")
+        if "name" not in cfg:
+            raise ValueError(f"reward config needs a 'name': {cfg}")
+        return cls(**cfg)
+
+    @property
+    def torch_dtype(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"reward {self.name!r}: dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        return _DTYPES[self.dtype]
+
+    def require_path(self, field="path", kind="file"):
+        """The existing path in `field`, or a one-line error saying what is missing."""
+        value = getattr(self, field)
+        if value is None:
+            raise ValueError(f"reward {self.name!r} needs `{field}` (a {kind})")
+        path = Path(value)
+        if not (path.is_file() if kind == "file" else path.is_dir()):
+            raise FileNotFoundError(f"reward {self.name!r}: {field} {path} is not an existing {kind}")
+        return path
+
+
+def register_reward(name):
+    def register(cls):
+        REWARDS[name] = cls
+        cls.name = name
+        return cls
+
+    return register
+
+
+class Reward:
+    """Base class: input checks, no_grad, device moves; subclasses implement `score`."""
+
+    name = None
+
+    def __init__(self, cfg, device="cpu"):
+        self.cfg = cfg
+        self.device = torch.device(device)
+
+    def score(self, images, prompts):
+        raise NotImplementedError
+
+    def __call__(self, images, prompts):
+        _check_inputs(images, prompts)
+        # no_grad rather than inference_mode: inference tensors would break a trainer
+        # that later multiplies advantages built from these values into its loss.
+        with torch.no_grad():
+            values = self.score(images.to(self.device), list(prompts)).float()
+            # A non-finite image gets a non-finite reward instead of a quantised-away one.
+            bad = ~torch.isfinite(images.to(self.device)).flatten(1).all(1)
+            values = torch.where(bad, torch.full_like(values, math.nan), values)
+        return values.to(images.device)
+
+
+def _check_inputs(images, prompts):
+    if not (torch.is_tensor(images) and images.ndim == 4 and images.shape[1] == 3 and images.is_floating_point()):
+        shape = tuple(images.shape) if torch.is_tensor(images) else type(images).__name__
+        raise ValueError(f"reward images must be a float tensor [B, 3, H, W] in [0, 1], got {shape}")
+    if isinstance(prompts, str) or len(prompts) != images.shape[0]:
+        raise ValueError(f"need one prompt per image: {images.shape[0]} images, prompts={prompts!r:.80}")
+
+
+def build_reward(cfg, device="cpu"):
+    """Build one reward from a `RewardConfig` or a dict."""
+    cfg = RewardConfig.from_any(cfg)
+    if cfg.name not in REWARDS:
+        raise ValueError(f"unknown reward {cfg.name!r}; known: {', '.join(sorted(REWARDS))}")
+    cfg.torch_dtype  # validates dtype before any loading
+    return REWARDS[cfg.name](cfg, device)
