@@ -15,6 +15,7 @@ setup(
         "safetensors>=0.4",
         "open_clip_torch>=2.24",
         "jsonargparse>=4.35",
+        "docstring-parser",  # jsonargparse: option descriptions in `mm-convert --help`
         "tensorboard",
         "tqdm",
         "psutil",  # megatron-core's checkpoint writer needs it

@@ -48,7 +48,7 @@ if [ -z "${PIPELINE_DIR:-}" ]; then
   export PROMPT_FILE="${PROMPT_FILE:-$SCRIPT_DIR/prompts_tiny.txt}"
   export EVAL_PROMPT_FILE="${EVAL_PROMPT_FILE:-$SCRIPT_DIR/eval_prompts_tiny.txt}"
   NPUS_PER_NODE="${NPUS_PER_NODE:-2}"; ITERS="${ITERS:-60}"; GBS="${GBS:-16}"; MBS="${MBS:-4}"
-  G="${G:-8}"; LR="${LR:-3e-4}"; export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+  G="${G:-8}"; LR="${LR:-3e-3}"; export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 fi
 export EVAL_PROMPT_FILE="${EVAL_PROMPT_FILE:-}"
 : "${PROMPT_FILE:?set PROMPT_FILE to a prompt file (one prompt per line, or .jsonl)}"
@@ -69,7 +69,7 @@ GPT_ARGS="--tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP \
 MM_ARGS="--mm-model ${MODEL_JSON:-$SCRIPT_DIR/model.json} --mm-data ${DATA_JSON:-$SCRIPT_DIR/data.json}"
 GRPO_ARGS="--num-generations $G --num-inference-steps $STEPS --sampler ${SAMPLER:-dance_sde} \
   --timestep-selection ${TIMESTEPS:-random} --timestep-fraction 0.6 --clip-range 1e-4 --adv-clip-max 5"
-OUTPUT_ARGS="--save ${SAVE:-$RUN_DIR/ckpt} --save-interval ${SAVE_INTERVAL:-100} --log-interval 1 \
+OUTPUT_ARGS="--save ${SAVE:-$RUN_DIR/ckpt} --save-interval ${SAVE_INTERVAL:-100} --log-interval ${LOG_INTERVAL:-10} \
   --tensorboard-dir $RUN_DIR/tensorboard --eval-interval ${EVAL_INTERVAL:-20} --save-image-interval 20 \
   --ckpt-format torch"
 [ -n "${LOAD:-}" ] && OUTPUT_ARGS="$OUTPUT_ARGS --load $LOAD"

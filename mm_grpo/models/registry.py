@@ -38,8 +38,13 @@ def flux_config_from_block(block: dict) -> FluxConfig:
     if "preset" in block:
         return FluxConfig.preset(block["preset"], **runtime)
     if block.get("from_pretrained"):
+        from mm_grpo.checkpoint.metadata import CheckpointMeta
+        from mm_grpo.checkpoint.paths import is_megatron_checkpoint, iteration_dir
         from mm_grpo.models.flux.hf_weights import transformer_dir
-        return FluxConfig.from_diffusers_config(transformer_dir(block["from_pretrained"]), **runtime)
+        path = block["from_pretrained"]
+        if is_megatron_checkpoint(path):  # converted by mm-convert: config in model_layout.json
+            return CheckpointMeta.load(iteration_dir(path)).config.replace(**runtime)
+        return FluxConfig.from_diffusers_config(transformer_dir(path), **runtime)
     raise ValueError("predictor block needs one of 'config', 'preset' or 'from_pretrained'")
 
 
@@ -66,8 +71,21 @@ class FluxPredictor(FluxTransformer):
         super().__init__(config, pre_process=pre_process, post_process=post_process,
                          block_range=block_range)
         if block.get("from_pretrained"):
-            from mm_grpo.models.flux.hf_weights import load_hf_weights
-            load_hf_weights(self, block["from_pretrained"])
+            load_pretrained(self, block["from_pretrained"])
+
+
+def load_pretrained(model_chunks, path):
+    """Weights for one model chunk or a rank's list of chunks, from a converted Megatron
+    checkpoint (any TP/PP) or a diffusers folder (converted on the fly)."""
+    from mm_grpo.checkpoint.loader import load_megatron_checkpoint
+    from mm_grpo.checkpoint.paths import is_megatron_checkpoint
+    from mm_grpo.parallel.pipeline import load_hf_weights_into_chunks
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    if is_megatron_checkpoint(path):
+        load_megatron_checkpoint(chunks, path)
+    else:
+        load_hf_weights_into_chunks(chunks, path)
+    return model_chunks
 
 
 def register_into_mindspeed_mm(mapping=None):

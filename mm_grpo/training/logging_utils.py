@@ -42,8 +42,9 @@ class TrainLogger:
                     self.writer.add_scalar(k, v, iteration)
         if self.bar is not None:
             self.bar.update(1)
-            short = {k.split("/")[-1] if k.startswith("reward/mean") else k: v for k, v in scalars.items()
-                     if k in ("reward/mean", "loss", "grad_norm")}
+            short = {"reward": scalars.get("reward/mean"), "loss": scalars.get("loss"),
+                     "grad_norm": scalars.get("grad_norm")}
+            short = {k: v for k, v in short.items() if v is not None}
             self.bar.set_postfix({k: f"{v:.4g}" for k, v in short.items()})
         if iteration % self.log_interval == 0 or "skip_reason" in stats:
             text = " | ".join(f"{k} {v:.5g}" for k, v in scalars.items())

@@ -17,9 +17,9 @@ from mm_grpo import get_platform
 from mm_grpo.checkpoint.metadata import CheckpointMeta
 from mm_grpo.checkpoint.paths import is_megatron_checkpoint
 from mm_grpo.grpo.schedule import GRPOSchedule, GRPOSettings
-from mm_grpo.models.registry import flux_config_from_block
+from mm_grpo.models.registry import flux_config_from_block, load_pretrained
 from mm_grpo.parallel import ParallelConfig, initialize_parallel
-from mm_grpo.parallel.pipeline import build_model_chunks, load_hf_weights_into_chunks, resolve_pp_layers
+from mm_grpo.parallel.pipeline import build_model_chunks, resolve_pp_layers
 from mm_grpo.rewards.combined import CombinedReward
 from mm_grpo.rollout import rollout
 from mm_grpo.training import components
@@ -68,10 +68,18 @@ class GRPORun:
         # The policy.
         self.pp_layers = resolve_pp_layers(predictor.get("pipeline_num_layers"), self.flux_config.num_blocks,
                                            parallel.pp, parallel.vpp or 1)
-        chunks = self._load_initial(build_model_chunks(self.flux_config, self.pp_layers), predictor)
+        resume = bool(args.load) and self._is_training_checkpoint(args.load)
+        initial = predictor.get("from_pretrained") if resume or not args.load else args.load
+        if initial is None and not resume:
+            raise ValueError("no starting weights: give --load or predictor.from_pretrained in --mm-model")
+        chunks = build_model_chunks(self.flux_config, self.pp_layers)
+        if not resume:  # a resumed run takes its weights from the training checkpoint below
+            load_pretrained(chunks, initial)
         self.ref_policy = None
-        if args.kl_beta > 0:
-            self.ref_policy = self._load_initial(build_model_chunks(self.flux_config, self.pp_layers), predictor)
+        if args.kl_beta > 0:  # the frozen reference is the starting policy
+            if initial is None:
+                raise ValueError("--kl-beta > 0 needs the starting weights: predictor.from_pretrained in --mm-model")
+            self.ref_policy = load_pretrained(build_model_chunks(self.flux_config, self.pp_layers), initial)
             for chunk in self.ref_policy:
                 chunk.requires_grad_(False)
         self.policy = wrap_ddp(chunks, args.use_distributed_optimizer)
@@ -86,7 +94,7 @@ class GRPORun:
             decoder=components.decoder(components.block(self.model_cfg, "ae", "--mm-model"), self.device, dtype),
             reward=self.reward, ref_policy=self.ref_policy, device=self.device)
         self.start_iteration = 0
-        if args.load and self._is_training_checkpoint(args.load):
+        if resume:
             self.start_iteration, extra = load_checkpoint(
                 args.load, self.policy, self.optimizer, self.scheduler,
                 load_optim=not args.no_load_optim, load_rng=not args.no_load_rng)
@@ -106,19 +114,6 @@ class GRPORun:
         from mm_grpo.checkpoint.paths import RELEASE, iteration_dir
         return is_megatron_checkpoint(path) and os.path.basename(iteration_dir(path)) != RELEASE
 
-    def _load_initial(self, chunks, predictor):
-        """Starting weights: --load (a converted `release` checkpoint or a training one), else
-        `from_pretrained` (a converted checkpoint, or diffusers weights converted on the fly)."""
-        from mm_grpo.checkpoint.loader import load_megatron_checkpoint
-        source = self.args.load or predictor.get("from_pretrained")
-        if source is None:
-            raise ValueError("no starting weights: give --load or predictor.from_pretrained in --mm-model")
-        if is_megatron_checkpoint(source):
-            load_megatron_checkpoint(chunks, source)
-        else:
-            load_hf_weights_into_chunks(chunks, source)
-        return chunks
-
     # --- the loop -----------------------------------------------------------------------
     def train(self):
         args, logger = self.args, None
@@ -132,8 +127,14 @@ class GRPORun:
                 history.append(stats)
                 logger.log(it + 1, stats)
                 done = it + 1
-                if args.eval_interval and done % args.eval_interval == 0 and self.eval_prompts:
-                    logger.log(done, self.evaluate(done, logger))
+                eval_due = bool(args.eval_interval) and done % args.eval_interval == 0
+                image_due = bool(args.save_image_interval) and done % args.save_image_interval == 0
+                if (eval_due or image_due) and self.eval_prompts:
+                    eval_stats, images = self.evaluate()
+                    if eval_due:
+                        logger.log(done, eval_stats)
+                    if image_due and self.image_dir:
+                        logger.image_grid(done, images, os.path.join(self.image_dir, f"eval_{done:06d}.png"))
                 if args.save and args.save_interval and done % args.save_interval == 0:
                     self.save(done)
             if args.save and (not args.save_interval or args.train_iters % args.save_interval):
@@ -146,22 +147,23 @@ class GRPORun:
         save_checkpoint(self.args.save, iteration, self.policy, self.optimizer, self.scheduler, self.meta,
                         {"consumed_prompts": self.prompts.consumed, "iteration": iteration})
 
+    @property
+    def image_dir(self):
+        root = self.args.tensorboard_dir or self.args.save
+        return os.path.join(root, "samples") if root else None
+
     @torch.no_grad()
-    def evaluate(self, iteration, logger):
-        """Deterministic ODE sampling of held-out prompts with fixed seeds; mean reward."""
+    def evaluate(self):
+        """Deterministic ODE sampling of held-out prompts with fixed seeds: (stats, images)."""
         from mm_grpo.parallel.pipeline import make_velocity_fn
         s = self.schedule
         prompts = self.eval_prompts[:self.args.eval_prompts]
         cond = s.conditioning(prompts)
-        channels = self.flux_config.in_channels
-        x0, _ = s.noise(10**9, range(len(prompts)), channels)  # fixed "iteration": same noise every eval
-        velocity = make_velocity_fn(s.policy_modules, cond, 1)
-        traj = rollout(velocity, x0, s.sigmas, "ode")
+        x0, _ = s.noise(-1, range(len(prompts)), self.flux_config.in_channels)  # the same noise every time
+        traj = rollout(make_velocity_fn(s.policy_modules, cond, 1), x0, s.sigmas, "ode")
         images, total, per_reward = s.score(traj.x0_hat, prompts)
-        if self.args.tensorboard_dir and self.args.save_image_interval:
-            logger.image_grid(iteration, images, os.path.join(self.args.tensorboard_dir, f"eval_{iteration:06d}.png"))
-        return {"eval/reward_mean": total.mean().item(),
-                **{f"eval/{k}": v.mean().item() for k, v in per_reward.items()}}
+        return ({"eval/reward_mean": total.mean().item(),
+                 **{f"eval/{k}": v.mean().item() for k, v in per_reward.items()}}, images)
 
 
 def main(argv=None):

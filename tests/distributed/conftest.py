@@ -16,12 +16,12 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _launch(nproc, tmp_dir):
+def _launch(nproc, tmp_dir, extra_env):
     out = os.path.join(tmp_dir, f"results_{nproc}.json")
     log = os.path.join(tmp_dir, f"torchrun_{nproc}.log")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={_free_port()}", "-m", "tests.distributed.worker", out]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MM_GRPO_DEVICE="cpu", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MM_GRPO_DEVICE="cpu", PYTHONWARNINGS="ignore", **extra_env)
     with open(log, "w") as f:
         try:
             proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
@@ -38,13 +38,20 @@ def _launch(nproc, tmp_dir):
 
 
 @pytest.fixture(scope="session")
-def torchrun(tmp_path_factory):
+def grpo_out_dir(tmp_path_factory):
+    """Where multi-process checks leave files for the pytest side (MM_GRPO_TEST_OUT)."""
+    return str(tmp_path_factory.mktemp("checks_out"))
+
+
+@pytest.fixture(scope="session")
+def torchrun(tmp_path_factory, tiny_pipeline_dir, grpo_out_dir):
     """torchrun(nproc) -> {check_name: {"ok", "error", "metrics"}}, one launch per world size."""
     cache = {}
+    env = {"MM_GRPO_TEST_PIPELINE": str(tiny_pipeline_dir), "MM_GRPO_TEST_OUT": grpo_out_dir}
 
     def results(nproc):
         if nproc not in cache:
-            cache[nproc] = _launch(nproc, str(tmp_path_factory.mktemp(f"torchrun{nproc}")))
+            cache[nproc] = _launch(nproc, str(tmp_path_factory.mktemp(f"torchrun{nproc}")), env)
         return cache[nproc]
     return results
 

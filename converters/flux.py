@@ -1,0 +1,273 @@
+"""`mm-convert FluxConverter ...`: FLUX weights between diffusers / BFL files and Megatron shards.
+
+Every path streams: a weight is read (lazily, from safetensors or a shard file), merged
+and cut by the model's layout rules (`mm_grpo.models.flux.layout`), and its pieces are
+written where the target files reserve them; no more than a few tensors are in memory.
+Targets are built in a temporary folder next to the target and renamed at the end.
+"""
+import contextlib
+import dataclasses
+import os
+import time
+from typing import Callable, List, Literal, Optional, Union
+
+import diffusers
+import torch
+from tqdm import tqdm
+
+from converters.bfl import BflWeights, looks_like_bfl
+from converters.diffusers_io import write_diffusers_folder
+from mm_grpo.checkpoint import CheckpointMeta, CheckpointWriter, MegatronCheckpoint, is_megatron_checkpoint
+from mm_grpo.checkpoint.atomic import atomic_dir
+from mm_grpo.models.flux import layout
+from mm_grpo.models.flux.config import PRESETS, FluxConfig
+from mm_grpo.models.flux.hf_weights import (SafetensorsWeights, check_hf_weights, open_diffusers_weights,
+                                            transformer_dir)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DtypeName = Optional[Literal["bf16", "fp16", "fp32"]]
+PresetName = Optional[Literal[tuple(PRESETS)]]
+
+
+@dataclasses.dataclass
+class TargetParallelConfig:
+    """Parallel layout of the Megatron checkpoint to write.
+
+    Args:
+        tp_size: Tensor-parallel size; must divide the number of attention heads (24 for FLUX.1).
+        pp_layers: Blocks per pipeline stage over [all double blocks, then all single blocks]
+            (FLUX.1: 19 + 38 = 57), e.g. [28,29]; must sum to the block count. A nested list
+            [[..],[..]] gives virtual pipeline chunks, one inner list per chunk. Default: one stage.
+    """
+
+    tp_size: int = 1
+    pp_layers: Optional[Union[List[int], List[List[int]]]] = None
+
+
+@dataclasses.dataclass
+class HfToMmConfig:
+    """Options of `hf_to_mm`.
+
+    Args:
+        source_path: A diffusers transformer folder (config.json + diffusion_pytorch_model*.safetensors,
+            with or without an index), a whole FLUX pipeline folder (its transformer/ is used), or an
+            original single-file checkpoint (flux1-dev.safetensors names, optionally under
+            model.diffusion_model.).
+        target_path: Megatron checkpoint folder to create (latest_checkpointed_iteration.txt,
+            release/mp_rank_*/model_optim_rng.pt, release/model_layout.json).
+        target_parallel_config: Parallel layout of the output.
+        hf_dir: diffusers transformer or pipeline folder whose config.json describes the model: needed
+            for a single-file source unless --cfg.preset is given; overrides the source's config.json.
+        preset: Built-in model config instead of a config.json: flux-dev, flux-schnell (tiny: tests).
+        dtype: Cast the weights to bf16, fp16 or fp32; default: keep the source dtype.
+        overwrite: Replace target_path if it already holds a Megatron checkpoint.
+    """
+
+    source_path: str
+    target_path: str
+    target_parallel_config: TargetParallelConfig = dataclasses.field(default_factory=TargetParallelConfig)
+    hf_dir: Optional[str] = None
+    preset: PresetName = None
+    dtype: DtypeName = None
+    overwrite: bool = False
+
+
+@dataclasses.dataclass
+class MmToHfConfig:
+    """Options of `mm_to_hf`.
+
+    Args:
+        source_path: Megatron checkpoint folder (from hf_to_mm, resplit or training), or one
+            iteration folder of it; any TP/PP.
+        target_path: diffusers transformer folder to create (config.json, safetensors shards and
+            their index) that FluxTransformer2DModel.from_pretrained loads.
+        iteration: Iteration to convert (its iter_XXXXXXX folder); default: the one
+            latest_checkpointed_iteration.txt names.
+        max_shard_size: Largest safetensors file, as diffusers' save_pretrained takes it (10GB, 500MB...).
+        dtype: Cast the weights to bf16, fp16 or fp32; default: keep the source dtype.
+        overwrite: Replace target_path if it already holds a diffusers folder.
+    """
+
+    source_path: str
+    target_path: str
+    iteration: Optional[int] = None
+    max_shard_size: str = "10GB"
+    dtype: DtypeName = None
+    overwrite: bool = False
+
+
+@dataclasses.dataclass
+class ResplitConfig:
+    """Options of `resplit`.
+
+    Args:
+        source_path: Megatron checkpoint folder, or one iteration folder of it; any TP/PP.
+        target_path: Megatron checkpoint folder to create with the new layout (model weights only,
+            as `release`).
+        target_parallel_config: Parallel layout of the output.
+        iteration: Iteration to read; default: the one latest_checkpointed_iteration.txt names.
+        dtype: Cast the weights to bf16, fp16 or fp32; default: keep the source dtype.
+        overwrite: Replace target_path if it already holds a Megatron checkpoint.
+    """
+
+    source_path: str
+    target_path: str
+    target_parallel_config: TargetParallelConfig = dataclasses.field(default_factory=TargetParallelConfig)
+    iteration: Optional[int] = None
+    dtype: DtypeName = None
+    overwrite: bool = False
+
+
+class FluxConverter:
+    """FLUX.1 transformer weights: diffusers / original single-file <-> Megatron TP/PP shards."""
+
+    def hf_to_mm(self, cfg: HfToMmConfig):
+        """Convert diffusers or original (BFL) FLUX weights into the sharded Megatron layout."""
+        start = time.perf_counter(), time.process_time()
+        weights, config = open_hf_source(cfg.source_path, cfg.hf_dir, cfg.preset)
+        meta = _target_meta(config, cfg.target_parallel_config, cfg.dtype, {weights.meta(h).dtype for h in weights})
+        _check_target(cfg.source_path, cfg.target_path, cfg.overwrite, is_megatron_checkpoint)
+
+        def full(rule, read):
+            return layout.merge(rule, [weights[h] if read else weights.meta(h) for h in rule.hf], config)
+
+        _write_megatron(cfg.target_path, meta, full, cfg.overwrite, "hf_to_mm")
+        _report("hf_to_mm", cfg.target_path, start)
+
+    def mm_to_hf(self, cfg: MmToHfConfig):
+        """Convert a Megatron checkpoint (any TP/PP) into a diffusers transformer folder."""
+        start = time.perf_counter(), time.process_time()
+        with contextlib.closing(_open_checkpoint(cfg.source_path, cfg.iteration)) as ckpt:
+            _check_target(cfg.source_path, cfg.target_path, cfg.overwrite,
+                          lambda p: os.path.isfile(os.path.join(p, "config.json")))
+            _write_diffusers(ckpt, cfg)
+        _report("mm_to_hf", cfg.target_path, start)
+
+    def resplit(self, cfg: ResplitConfig):
+        """Rewrite a Megatron checkpoint with another TP/PP layout, without going through diffusers files."""
+        start = time.perf_counter(), time.process_time()
+        with contextlib.closing(_open_checkpoint(cfg.source_path, cfg.iteration)) as ckpt:
+            dtypes = {ckpt.full_meta(r).dtype for r in layout.stage_rules(ckpt.config)}
+            meta = _target_meta(ckpt.config, cfg.target_parallel_config, cfg.dtype, dtypes)
+            _check_target(cfg.source_path, cfg.target_path, cfg.overwrite, is_megatron_checkpoint)
+
+            def full(rule, read):
+                return ckpt.full(rule) if read else ckpt.full_meta(rule)
+
+            _write_megatron(cfg.target_path, meta, full, cfg.overwrite, "resplit")
+        _report("resplit", cfg.target_path, start)
+
+
+# --- sources ---------------------------------------------------------------------------
+def _config_from(hf_dir, preset) -> Optional[FluxConfig]:
+    if hf_dir and preset:
+        raise ValueError("give --cfg.hf_dir or --cfg.preset, not both")
+    if hf_dir:
+        return FluxConfig.from_diffusers_config(transformer_dir(hf_dir))
+    return FluxConfig.preset(preset) if preset else None
+
+
+def open_hf_source(path: str, hf_dir: Optional[str] = None, preset: Optional[str] = None):
+    """(lazy diffusers-named weights, FluxConfig) of a diffusers folder, pipeline folder or single file."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no such FLUX checkpoint: {path}")
+    config = _config_from(hf_dir, preset)
+    if os.path.isdir(path):
+        weights = open_diffusers_weights(path, backend="pread")
+        config = config or FluxConfig.from_diffusers_config(transformer_dir(path))
+    else:
+        weights = SafetensorsWeights([path], backend="pread")
+        sibling = os.path.join(os.path.dirname(os.path.abspath(path)), "config.json")
+        if config is None and not looks_like_bfl(weights) and os.path.isfile(sibling):
+            config = FluxConfig.from_diffusers_config(sibling)
+        if config is None:
+            raise ValueError(f"{path} is a single file without a config: pass --cfg.hf_dir (a diffusers FLUX "
+                             f"folder) or --cfg.preset ({', '.join(PRESETS)})")
+        if looks_like_bfl(weights):
+            weights = BflWeights(weights, config)
+    check_hf_weights(weights, config)
+    return weights, config
+
+
+def _open_checkpoint(path: str, iteration) -> MegatronCheckpoint:
+    ckpt = MegatronCheckpoint(path, iteration)
+    ckpt.check()
+    return ckpt
+
+
+# --- targets ---------------------------------------------------------------------------
+def _target_meta(config, parallel: TargetParallelConfig, dtype_name, source_dtypes) -> CheckpointMeta:
+    """The output's metadata; its dtype is the requested one, else the source's if it has only one."""
+    dtype = DTYPES[dtype_name] if dtype_name else (next(iter(source_dtypes)) if len(source_dtypes) == 1 else None)
+    return CheckpointMeta(config, parallel.tp_size, parallel.pp_layers,
+                          str(dtype).removeprefix("torch.") if dtype else None)
+
+
+def _check_target(source: str, target: str, overwrite: bool, replaceable: Callable[[str], bool]):
+    if os.path.realpath(source) == os.path.realpath(target):
+        raise ValueError(f"target_path {target} is the source: write to another folder")
+    if not os.path.lexists(target):
+        return
+    if not overwrite:
+        raise FileExistsError(f"target {target} already exists: remove it or pass --cfg.overwrite true")
+    if not (os.path.isdir(target) and (replaceable(target) or not os.listdir(target))):
+        raise FileExistsError(f"refusing to overwrite {target}: it is not an empty folder or a checkpoint "
+                              "of the kind being written")
+
+
+def _progress(total_bytes: int, desc: str):
+    return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=None)
+
+
+def _caster(dtype: Optional[torch.dtype]):
+    return (lambda t: t.to(dtype)) if dtype else (lambda t: t)
+
+
+def _write_megatron(target: str, meta: CheckpointMeta, full, overwrite: bool, desc: str):
+    """Write every weight once. `full(rule, read)` gives a weight's whole Megatron tensor (a meta
+    tensor when not `read`); it is cut into the TP shards of its stage and each piece goes into
+    its shard file, all TP files of a pipeline stage being open together."""
+    config, tp_size = meta.config, meta.tp_size
+    cast = _caster(getattr(torch, meta.dtype) if meta.dtype else None)
+    stages = list(meta.stages())
+    metas = {(key, r.megatron): cast(full(r, False)) for spec, key in stages for r in meta.rules(spec)}
+    with atomic_dir(target, overwrite) as tmp, _progress(sum(m.nbytes for m in metas.values()), desc) as bar:
+        writer = CheckpointWriter(tmp, meta)
+        for pp in range(meta.pp_size):
+            chunks = [(key, meta.rules(spec)) for spec, key in stages if spec.pp_rank == pp]
+            shards = [writer.open_shard(tp, pp, {key: {r.megatron: layout.shard(r, metas[key, r.megatron], tp,
+                                                                                   tp_size, config) for r in rules}
+                                                  for key, rules in chunks})
+                      for tp in range(tp_size)]
+            for key, rules in chunks:
+                for rule in rules:
+                    whole = cast(full(rule, True))
+                    for tp, shard in enumerate(shards):
+                        shard.write((key, rule.megatron), layout.shard(rule, whole, tp, tp_size, config))
+                    bar.update(whole.nbytes)
+            for shard in shards:
+                shard.close()
+        writer.commit()
+
+
+def _write_diffusers(ckpt: MegatronCheckpoint, cfg: MmToHfConfig):
+    config, cast = ckpt.config, _caster(DTYPES[cfg.dtype] if cfg.dtype else None)
+    rules = list(layout.stage_rules(config))
+    metas = {h: cast(t) for r in rules for h, t in zip(r.hf, layout.unmerge(r, ckpt.full_meta(r), config))}
+
+    def tensors():
+        with _progress(sum(m.nbytes for m in metas.values()), "mm_to_hf") as bar:
+            for rule in rules:
+                for name, tensor in zip(rule.hf, layout.unmerge(rule, ckpt.full(rule), config)):
+                    yield name, cast(tensor)
+                    bar.update(metas[name].nbytes)
+
+    hf_config = {"_class_name": "FluxTransformer2DModel", "_diffusers_version": diffusers.__version__,
+                 **config.to_diffusers_config()}
+    with atomic_dir(cfg.target_path, cfg.overwrite) as tmp:
+        write_diffusers_folder(tmp, hf_config, metas, tensors(), cfg.max_shard_size)
+
+
+def _report(what: str, target: str, start):
+    wall, cpu = time.perf_counter() - start[0], time.process_time() - start[1]
+    print(f"{what}: wrote {target} in {wall:.2f} s (CPU {cpu:.2f} s)")

@@ -1,0 +1,72 @@
+"""Names in Megatron's on-disk checkpoint layout (`--ckpt-format torch`).
+
+    <root>/latest_checkpointed_iteration.txt     "release" or the iteration number
+    <root>/release/ or <root>/iter_0000100/      one folder per saved iteration
+        model_layout.json                        model config + parallel layout (ours)
+        mp_rank_00/model_optim_rng.pt            PP = 1: one folder per TP rank
+        mp_rank_00_000/model_optim_rng.pt        PP > 1: per TP rank and PP rank
+"""
+import os
+
+from mm_grpo.checkpoint.atomic import atomic_write_text
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+SHARD_FILE = "model_optim_rng.pt"
+META_FILE = "model_layout.json"
+RELEASE = "release"
+CHECKPOINT_VERSION = 3.0  # what Megatron-LM writes into every shard
+
+
+def iteration_name(iteration=RELEASE) -> str:
+    if iteration == RELEASE:
+        return RELEASE
+    if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
+        raise ValueError(f"iteration must be 'release' or a whole number >= 0, got {iteration!r}")
+    return f"iter_{iteration:07d}"
+
+
+def shard_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def model_key(vchunk: int, vpp_size: int) -> str:
+    """Key of a model chunk's state dict in a shard: 'model', or 'model0', 'model1'... with VPP."""
+    return "model" if vpp_size == 1 else f"model{vchunk}"
+
+
+def read_tracker(root: str) -> str:
+    """The iteration folder name that `latest_checkpointed_iteration.txt` points at."""
+    path = os.path.join(root, TRACKER_FILE)
+    with open(path) as f:
+        text = f.read().strip()
+    if text == RELEASE:
+        return RELEASE
+    if not text.isdigit():
+        raise ValueError(f"{path} holds {text!r}: expected 'release' or an iteration number")
+    return iteration_name(int(text))
+
+
+def write_tracker(root: str, iteration=RELEASE):
+    atomic_write_text(os.path.join(root, TRACKER_FILE), str(iteration))
+
+
+def is_megatron_checkpoint(path: str) -> bool:
+    """A checkpoint root (has the tracker file) or one iteration folder of it (has the layout JSON)."""
+    return os.path.isfile(os.path.join(path, TRACKER_FILE)) or os.path.isfile(os.path.join(path, META_FILE))
+
+
+def iteration_dir(path: str, iteration=None) -> str:
+    """The iteration folder to read: `path` itself if it is one, else `iteration` or the tracker's."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no such Megatron checkpoint: {path}")
+    if os.path.isfile(os.path.join(path, META_FILE)):
+        return path
+    if iteration is not None:
+        folder = os.path.join(path, iteration_name(iteration))
+    elif os.path.isfile(os.path.join(path, TRACKER_FILE)):
+        folder = os.path.join(path, read_tracker(path))
+    else:
+        raise FileNotFoundError(f"{path} is not a Megatron checkpoint: it has no {TRACKER_FILE}")
+    if not os.path.isfile(os.path.join(folder, META_FILE)):
+        raise FileNotFoundError(f"{folder} has no {META_FILE}: not a checkpoint written by mm-grpo, or incomplete")
+    return folder

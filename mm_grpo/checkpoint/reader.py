@@ -1,0 +1,113 @@
+"""Read a Megatron-layout FLUX checkpoint lazily: any weight, whole or as any TP rank's shard."""
+import os
+
+import torch
+
+from mm_grpo.checkpoint.metadata import CheckpointMeta
+from mm_grpo.checkpoint.paths import SHARD_FILE, iteration_dir
+from mm_grpo.checkpoint.shard_io import ShardReader
+from mm_grpo.models.flux import layout
+from mm_grpo.models.flux.hf_weights import expected_hf_shapes
+
+EXTRA_STATE = "._extra_state"  # Megatron's non-TE linears save None here; not a weight
+
+
+def expected_full_shapes(config) -> dict:
+    """rule.hf -> shape of the whole Megatron tensor, for every weight of `config`."""
+    hf = expected_hf_shapes(config)
+    return {r.hf: tuple(layout.merge(r, [torch.empty(hf[h], device="meta") for h in r.hf], config).shape)
+            for r in layout.stage_rules(config)}
+
+
+class MegatronCheckpoint:
+    """Weights are looked up by their layout rule's diffusers names (global, unlike the local
+    Megatron names), so a rule from any stage of any target layout finds its source."""
+
+    def __init__(self, path: str, iteration=None):
+        self.path = iteration_dir(path, iteration)
+        self.meta = CheckpointMeta.load(self.path)
+        self.config = self.meta.config
+        self._where = {}  # rule.hf -> (pp_rank, model key, source rule)
+        for spec, key in self.meta.stages():
+            for rule in self.meta.rules(spec):
+                self._where[rule.hf] = (spec.pp_rank, key, rule)
+        self._readers = {}
+
+    def shard(self, tp_rank: int, pp_rank: int) -> ShardReader:
+        if (tp_rank, pp_rank) not in self._readers:
+            path = os.path.join(self.path, self.meta.shard_name(tp_rank, pp_rank), SHARD_FILE)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"checkpoint shard {path} is missing (layout: TP {self.meta.tp_size}, "
+                                        f"pp_layers {self.meta.pp_layers})")
+            self._readers[(tp_rank, pp_rank)] = ShardReader(path)
+        return self._readers[(tp_rank, pp_rank)]
+
+    def _source(self, rule):
+        if rule.hf not in self._where:
+            raise ValueError(f"checkpoint {self.path} has no weight for {rule.megatron} "
+                             f"({', '.join(rule.hf)}): a different model config?")
+        return self._where[rule.hf]
+
+    def _piece(self, rule, tp_rank, read):
+        pp_rank, key, src = self._source(rule)
+        shard = self.shard(tp_rank, pp_rank)
+        meta = shard.get(key, src.megatron)
+        return shard.read(meta) if read else meta
+
+    def _full(self, rule, read):
+        ranks = [0] if rule.shard == "replicated" else range(self.meta.tp_size)
+        return layout.unshard(rule, [self._piece(rule, r, read) for r in ranks], self.config)
+
+    def full_meta(self, rule) -> torch.Tensor:
+        """The whole (merged, unsharded) tensor of `rule` as a meta tensor: no bytes read."""
+        return self._full(rule, read=False)
+
+    def full(self, rule) -> torch.Tensor:
+        return self._full(rule, read=True)
+
+    def local(self, rule, tp_rank: int, tp_size: int) -> torch.Tensor:
+        """`rule`'s shard for rank `tp_rank` of `tp_size`; read straight from the file when the
+        checkpoint has the same TP size (or the tensor is replicated)."""
+        if rule.shard == "replicated":
+            return self._piece(rule, 0, read=True)
+        if tp_size == self.meta.tp_size:
+            return self._piece(rule, tp_rank, read=True)
+        return layout.shard(rule, self.full(rule), tp_rank, tp_size, self.config)
+
+    def extras(self, tp_rank: int, pp_rank: int) -> dict:
+        """A shard's entries other than the model chunks (optimizer, rng states...), read."""
+        shard = self.shard(tp_rank, pp_rank)
+        model_keys = {key for _, key in self.meta.stages()}
+        return {k: shard.load(k) for k in shard.tree if k not in model_keys}
+
+    def check(self):
+        """Every shard holds exactly its stage's weights, at the shapes the layout gives."""
+        expected = expected_full_shapes(self.config)
+        problems = []
+        for spec, key in self.meta.stages():
+            rules = self.meta.rules(spec)
+            for tp in range(self.meta.tp_size):
+                shard = self.shard(tp, spec.pp_rank)
+                held = shard.get(key)
+                names = {n for n in held if not n.endswith(EXTRA_STATE)}
+                missing = sorted({r.megatron for r in rules} - names)
+                unexpected = sorted(names - {r.megatron for r in rules})
+                where = f"{shard.path} [{key}]"
+                if missing:
+                    problems.append(f"{where} misses {', '.join(missing)}")
+                if unexpected:
+                    problems.append(f"{where} has unexpected {', '.join(unexpected)}")
+                for r in rules:
+                    if r.megatron not in held:
+                        continue
+                    full = torch.empty(expected[r.hf], device="meta")
+                    want = tuple(layout.shard(r, full, tp, self.meta.tp_size, self.config).shape)
+                    if tuple(held[r.megatron].shape) != want:
+                        problems.append(f"{where} {r.megatron} is {tuple(held[r.megatron].shape)}, expected {want}")
+        if problems:
+            raise ValueError("checkpoint does not match its layout: " + "; ".join(problems))
+
+    def close(self):
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()

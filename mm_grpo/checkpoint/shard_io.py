@@ -1,0 +1,150 @@
+"""Streaming reads and writes of one shard file (`model_optim_rng.pt`, a `torch.save` zip).
+
+Whole FLUX.1 at TP = PP = 1 is one 24 GB shard, so neither side may hold a shard in
+memory. Writing uses torch's own two-pass path: `torch.save` under `skip_data` writes the
+pickled tree and reserves each tensor's bytes (from FakeTensors: no memory), `torch.load`
+with `map_location="meta"` reports where each tensor's bytes live, and the tensors are
+then written there one at a time. Reading loads the tree on meta the same way and reads
+one tensor's bytes when asked. The file is an ordinary `torch.save` file: `torch.load`
+reads it (zip CRCs of the data records are not filled in; torch does not check them).
+
+A tree is any nesting of dicts, lists and tuples whose leaves are tensors or plain
+values; tensors are addressed by their key path, e.g. ("model", "x_embedder.weight").
+Loading uses `weights_only=True`: extras must be tensors, numbers, strings, None, lists,
+tuples and dicts.
+"""
+import os
+from typing import Iterator, Tuple
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+KeyPath = Tuple
+
+
+def tensor_leaves(tree, path=()) -> Iterator[Tuple[KeyPath, torch.Tensor]]:
+    """(key path, tensor) for every tensor in `tree`, depth first."""
+    if isinstance(tree, torch.Tensor):
+        yield path, tree
+    elif isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from tensor_leaves(value, path + (key,))
+    elif isinstance(tree, (list, tuple)):
+        for i, value in enumerate(tree):
+            yield from tensor_leaves(value, path + (i,))
+
+
+def map_tensors(tree, fn):
+    """`tree` with every tensor replaced by fn(tensor) (containers rebuilt, same types)."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return type(tree)((k, map_tensors(v, fn)) for k, v in tree.items())
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(map_tensors(v, fn) for v in tree)
+    return tree
+
+
+def _at(tree, path: KeyPath):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _load_meta(path: str):
+    try:
+        return torch.load(path, map_location="meta", weights_only=True)
+    except Exception as e:  # zip errors on a truncated file, unpickling errors on a foreign one
+        raise ValueError(f"cannot read checkpoint shard {path} (truncated, or not a torch.save file?): "
+                         f"{type(e).__name__}: {e}") from None
+
+
+def write_tensor_at(f, offset: int, tensor: torch.Tensor):
+    """Write the bytes of `tensor` (row-major) at `offset` of the open binary file `f`."""
+    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    f.seek(offset)
+    f.write(memoryview(data.numpy()))
+
+
+class ShardWriter:
+    """Writes one shard file: its tree now (tensors as shapes only), the tensors one by one."""
+
+    def __init__(self, path: str, tree):
+        self.path = path
+        with FakeTensorMode():
+            skeleton = map_tensors(tree, lambda t: torch.empty(t.shape, dtype=t.dtype))
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with torch.serialization.skip_data(materialize_fake_tensors=True):
+            torch.save(skeleton, path)
+        self._pending = {}  # key path -> (byte offset, meta tensor)
+        for key, meta in tensor_leaves(_load_meta(path)):
+            self._pending[key] = (meta.untyped_storage()._checkpoint_offset, meta)
+        self._file = open(path, "r+b")
+
+    def write(self, key: KeyPath, tensor: torch.Tensor):
+        if key not in self._pending:
+            raise KeyError(f"{self.path}: no tensor {key} to write (or written twice)")
+        offset, meta = self._pending[key]
+        if tensor.shape != meta.shape or tensor.dtype != meta.dtype:
+            raise ValueError(f"{self.path}: {key} is {tuple(tensor.shape)} {tensor.dtype}, "
+                             f"the file reserves {tuple(meta.shape)} {meta.dtype}")
+        write_tensor_at(self._file, offset, tensor)
+        del self._pending[key]
+
+    def write_all(self, tree):
+        for key, tensor in tensor_leaves(tree):
+            self.write(key, tensor)
+
+    def close(self):
+        self._file.close()
+        if self._pending:
+            raise ValueError(f"{self.path}: {len(self._pending)} tensors were never written, e.g. "
+                             f"{next(iter(self._pending))}")
+
+
+def write_shard(path: str, tree):
+    """Write a tree of real tensors and plain values, one tensor in memory at a time."""
+    writer = ShardWriter(path, tree)
+    writer.write_all(tree)
+    writer.close()
+
+
+class ShardReader:
+    """A shard file's tree with meta tensors (`.tree`); `read` fetches one tensor's bytes."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.tree = _load_meta(path)
+        self._file = open(path, "rb")
+
+    def get(self, *key):
+        """The meta tensor (or plain value) at a key path, with a clear error if it is not there."""
+        try:
+            return _at(self.tree, key)
+        except (KeyError, IndexError, TypeError):
+            raise KeyError(f"{self.path} has no entry {'/'.join(map(str, key))}") from None
+
+    def _read_storage(self, storage) -> torch.UntypedStorage:
+        data = torch.empty(storage.nbytes(), dtype=torch.uint8)
+        self._file.seek(storage._checkpoint_offset)
+        if self._file.readinto(memoryview(data.numpy())) != storage.nbytes():
+            raise ValueError(f"{self.path} ends inside a tensor: truncated file")
+        return data.untyped_storage()
+
+    def read(self, meta: torch.Tensor, storages=None) -> torch.Tensor:
+        """The real tensor behind a meta tensor of `.tree` (its whole storage is read, once per
+        `storages` cache: views of one storage, as torch.save keeps them, stay views)."""
+        storages = {} if storages is None else storages
+        offset = meta.untyped_storage()._checkpoint_offset
+        if offset not in storages:
+            storages[offset] = self._read_storage(meta.untyped_storage())
+        return torch.empty(0, dtype=meta.dtype).set_(storages[offset], meta.storage_offset(), meta.shape,
+                                                     meta.stride())
+
+    def load(self, *key):
+        """The subtree at `key` (whole tree by default) with every tensor read."""
+        storages = {}
+        return map_tensors(self.get(*key) if key else self.tree, lambda m: self.read(m, storages))
+
+    def close(self):
+        self._file.close()

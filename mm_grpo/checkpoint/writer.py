@@ -1,0 +1,51 @@
+"""Write one iteration of a Megatron-layout checkpoint: shards first, then rename, then the tracker."""
+import os
+import shutil
+
+from mm_grpo.checkpoint.atomic import replace_dir
+from mm_grpo.checkpoint.metadata import CheckpointMeta
+from mm_grpo.checkpoint.paths import CHECKPOINT_VERSION, RELEASE, SHARD_FILE, iteration_name, write_tracker
+from mm_grpo.checkpoint.shard_io import ShardWriter, write_shard
+
+
+class CheckpointWriter:
+    """Shards go to `<root>/.<iter>.tmp/`; `commit()` adds the layout JSON, renames the folder to
+    `<root>/<iter>/` and points `latest_checkpointed_iteration.txt` at it.
+
+    Each shard tree holds `model` (or `model0`, `model1`, ... per virtual chunk) plus any
+    extra entries (optimizer, scheduler, rng states...); `checkpoint_version` and, for a
+    numbered iteration, `iteration` are added. The temporary name is fixed, so every rank
+    of a job can write its own shards into it; one rank commits after a barrier.
+    """
+
+    def __init__(self, root: str, meta: CheckpointMeta, iteration=RELEASE):
+        self.root, self.meta, self.iteration = root, meta, iteration
+        self.name = iteration_name(iteration)
+        self.tmp = os.path.join(root, f".{self.name}.tmp")
+        os.makedirs(self.tmp, exist_ok=True)
+
+    def shard_path(self, tp_rank: int, pp_rank: int) -> str:
+        return os.path.join(self.tmp, self.meta.shard_name(tp_rank, pp_rank), SHARD_FILE)
+
+    def _full_tree(self, tree: dict) -> dict:
+        header = {"checkpoint_version": CHECKPOINT_VERSION}
+        if self.iteration != RELEASE:
+            header["iteration"] = self.iteration
+        return {**tree, **header}
+
+    def open_shard(self, tp_rank: int, pp_rank: int, tree: dict) -> ShardWriter:
+        """A streaming writer for one shard; `tree` may hold meta tensors (shapes only)."""
+        return ShardWriter(self.shard_path(tp_rank, pp_rank), self._full_tree(tree))
+
+    def write_shard(self, tp_rank: int, pp_rank: int, tree: dict):
+        write_shard(self.shard_path(tp_rank, pp_rank), self._full_tree(tree))
+
+    def commit(self) -> str:
+        self.meta.save(self.tmp)
+        final = os.path.join(self.root, self.name)
+        replace_dir(self.tmp, final)
+        write_tracker(self.root, self.iteration)
+        return final
+
+    def abort(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)

@@ -1,0 +1,50 @@
+"""Two GRPO iterations under TP2, SP2, PP2 and DP2 (world size 2) on the tiny pipeline.
+
+Each layout writes its losses, rewards and final weights (diffusers names) to
+$MM_GRPO_TEST_OUT; tests/distributed/test_grpo_distributed.py compares them with a
+single-process run.
+"""
+import os
+
+import torch
+import torch.distributed as dist
+
+from tests.distributed.worker import check
+from tests.grpo_helpers import grpo_argv, run_grpo, write_configs
+from tests.utils import gather_hf_state_dict
+
+LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"], "sp2": ["--context-parallel-size", "2"],
+           "pp2": ["--pipeline-model-parallel-size", "2"], "dp2": []}
+
+
+def _run_layout(name):
+    out = os.environ["MM_GRPO_TEST_OUT"]
+    model_json, data_json = os.path.join(out, "cfg", "model.json"), os.path.join(out, "cfg", "data.json")
+    if dist.get_rank() == 0 and not os.path.exists(model_json):
+        write_configs(os.path.join(out, "cfg"), os.environ["MM_GRPO_TEST_PIPELINE"])
+    dist.barrier()
+    history, run = run_grpo(grpo_argv(model_json, data_json, iters=2, extra=LAYOUTS[name]))
+    weights = gather_hf_state_dict(run.policy)
+    if dist.get_rank() == 0:
+        torch.save({"history": history, "weights": weights}, os.path.join(out, f"grpo_{name}.pt"))
+    return {"losses": [h["loss"] for h in history]}
+
+
+@check(2)
+def grpo_tp2():
+    return _run_layout("tp2")
+
+
+@check(2)
+def grpo_sp2():
+    return _run_layout("sp2")
+
+
+@check(2)
+def grpo_pp2():
+    return _run_layout("pp2")
+
+
+@check(2)
+def grpo_dp2():
+    return _run_layout("dp2")

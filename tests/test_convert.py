@@ -1,0 +1,302 @@
+"""mm-convert FluxConverter and the Megatron checkpoint layout (tiny FLUX, CPU, single process).
+
+References are independent of the converter: diffusers' FluxTransformer2DModel (its weights
+and forward), diffusers' own single-file converter, and plain `torch.load`.
+"""
+import json
+import os
+import types
+
+import pytest
+import torch
+from diffusers import FluxTransformer2DModel
+from diffusers.loaders import single_file_utils
+from safetensors.torch import load_file, save_file
+
+from converters.bfl import diffusers_to_bfl
+from converters.convert_cli import main
+from mm_grpo.checkpoint import (CheckpointMeta, CheckpointWriter, MegatronCheckpoint, ShardReader,
+                                ShardWriter, load_megatron_checkpoint, write_shard)
+from mm_grpo.models.flux import FluxConfig, FluxTransformer
+from mm_grpo.parallel.pipeline_layout import stage_specs
+from tests.fixtures import parallel_1proc  # noqa: F401
+from tests.utils import make_inputs, random_reference, reference_output, rel_err
+
+TINY = FluxConfig.preset("tiny")  # 4 heads, D = 64, 2 double + 4 single blocks
+TOL = 1e-5
+LAYOUTS = {  # id: (tp_size, pp_layers)
+    "tp1": (1, None),
+    "tp2-pp2": (2, [2, 4]),
+    "tp4-pp4": (4, [1, 2, 1, 2]),
+    "tp2-vpp2x2": (2, [[1, 2], [2, 1]]),
+    "tp1-vpp2x1": (1, [[3], [3]]),
+}
+
+
+def convert(command, source, target, tp=None, pp_layers=None, *extra):
+    args = ["FluxConverter", command, "--cfg.source_path", str(source), "--cfg.target_path", str(target)]
+    if tp is not None:
+        args += ["--cfg.target_parallel_config.tp_size", str(tp)]
+    if pp_layers is not None:
+        args += ["--cfg.target_parallel_config.pp_layers", json.dumps(pp_layers)]
+    main(args + list(extra))
+    return target
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return random_reference(TINY, seed=21)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(reference, tmp_path_factory):
+    """A sharded diffusers folder (index + several files) inside a pipeline folder."""
+    pipe = tmp_path_factory.mktemp("pipe")
+    reference.save_pretrained(pipe / "transformer", max_shard_size="100KB")
+    assert (pipe / "transformer" / "diffusion_pytorch_model.safetensors.index.json").exists()
+    return pipe / "transformer"
+
+
+@pytest.fixture(scope="module")
+def mm_dirs(hf_dir, tmp_path_factory):
+    """hf_to_mm output for every layout in LAYOUTS."""
+    root = tmp_path_factory.mktemp("mm")
+    return {name: convert("hf_to_mm", hf_dir, root / name, tp, pp) for name, (tp, pp) in LAYOUTS.items()}
+
+
+def shard_tensors(root):
+    """Every tensor of every shard file, read with plain torch.load: {(shard, key path): tensor}."""
+    out = {}
+    release = root / "release"
+    for shard in sorted(os.listdir(release)):
+        if not shard.startswith("mp_rank_"):
+            continue
+        tree = torch.load(release / shard / "model_optim_rng.pt", weights_only=True)
+        assert tree["checkpoint_version"] == 3.0
+        for key, value in tree.items():
+            if key.startswith("model"):
+                out.update({(shard, key, name): t for name, t in value.items()})
+    return out
+
+
+# --- round trip and layout -----------------------------------------------------------------
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_hf_mm_hf_round_trip_is_bit_exact_and_loads_in_diffusers(name, reference, mm_dirs, tmp_path):
+    out = convert("mm_to_hf", mm_dirs[name], tmp_path / "hf", None, None, "--cfg.max_shard_size", "100KB")
+    assert (out / "diffusion_pytorch_model.safetensors.index.json").exists()
+    loaded = FluxTransformer2DModel.from_pretrained(out)
+    expected = reference.state_dict()
+    got = loaded.state_dict()
+    assert set(got) == set(expected)
+    for key, tensor in expected.items():
+        assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
+    inputs = make_inputs(TINY)
+    with torch.no_grad():
+        assert torch.equal(reference_output(loaded, inputs), reference_output(reference, inputs))
+
+
+def test_layout_on_disk(mm_dirs):
+    root = mm_dirs["tp2-vpp2x2"]
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "release"
+    assert sorted(os.listdir(root / "release")) == [
+        "model_layout.json", "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    meta = json.loads((root / "release" / "model_layout.json").read_text())
+    assert meta["parallel"] == {"tp_size": 2, "pp_size": 2, "vpp_size": 2, "pp_layers": [[1, 2], [2, 1]]}
+    assert FluxConfig.from_diffusers_config(meta["config"]) == TINY
+    stage0 = torch.load(root / "release" / "mp_rank_01_000" / "model_optim_rng.pt", weights_only=True)
+    assert sorted(stage0) == ["checkpoint_version", "model0", "model1"]
+    # chunk 1 of stage 0 holds global blocks 3-4 = single blocks 1-2, numbered locally from 0
+    assert {n.split(".")[0] + "." + n.split(".")[1] for n in stage0["model1"]} == {"single_blocks.0", "single_blocks.1"}
+    assert "x_embedder.weight" in stage0["model0"] and "final_layer.linear.weight" not in stage0["model0"]
+    assert stage0["model0"]["double_blocks.0.img_attn.linear_qkv.weight"].shape == (3 * 64 // 2, 64)
+    assert sorted(os.listdir(mm_dirs["tp1-vpp2x1"] / "release")) == ["model_layout.json", "mp_rank_00"]
+
+
+def test_shard_names_are_the_models_own(parallel_1proc, mm_dirs):
+    """Each model chunk's keys are exactly its Megatron module's parameter names."""
+    root = mm_dirs["tp1-vpp2x1"]
+    tree = torch.load(root / "release" / "mp_rank_00" / "model_optim_rng.pt", weights_only=True)
+    for (_, v), spec in stage_specs([[3], [3]], TINY.num_blocks).items():
+        chunk = FluxTransformer(TINY, pre_process=spec.pre_process, post_process=spec.post_process,
+                                block_range=spec.block_range)
+        assert set(tree[f"model{v}"]) == set(dict(chunk.named_parameters()))
+
+
+def test_plain_load_state_dict_of_a_tp1_shard_matches_diffusers(parallel_1proc, reference, mm_dirs):
+    """Without our loader: Megatron-style `model.load_state_dict(ckpt['model'])`."""
+    model = FluxTransformer(TINY)
+    state = torch.load(mm_dirs["tp1"] / "release" / "mp_rank_00" / "model_optim_rng.pt", weights_only=True)
+    model.load_state_dict(state["model"], strict=True)
+    inputs = make_inputs(TINY, batch=2, height=3, width=5, txt_len=6)
+    with torch.no_grad():
+        assert rel_err(model(**inputs), reference_output(reference, inputs)) <= TOL
+
+
+# --- resplit ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("src,dst", [("tp1", "tp2-vpp2x2"), ("tp4-pp4", "tp2-pp2"), ("tp2-vpp2x2", "tp1-vpp2x1"),
+                                     ("tp2-pp2", "tp4-pp4")])
+def test_resplit_equals_direct_conversion(src, dst, mm_dirs, tmp_path):
+    tp, pp = LAYOUTS[dst]
+    out = convert("resplit", mm_dirs[src], tmp_path / "resplit", tp, pp)
+    direct, resplit = shard_tensors(mm_dirs[dst]), shard_tensors(out)
+    assert set(resplit) == set(direct)
+    for key, tensor in direct.items():
+        assert torch.equal(resplit[key], tensor), key
+    assert (json.loads((out / "release" / "model_layout.json").read_text())
+            == json.loads((mm_dirs[dst] / "release" / "model_layout.json").read_text()))
+
+
+def test_dtype_cast(reference, hf_dir, tmp_path):
+    mm = convert("hf_to_mm", hf_dir, tmp_path / "mm", 2, [3, 3], "--cfg.dtype", "bf16")
+    assert all(t.dtype == torch.bfloat16 for t in shard_tensors(mm).values())
+    assert json.loads((mm / "release" / "model_layout.json").read_text())["dtype"] == "bfloat16"
+    hf = convert("mm_to_hf", mm, tmp_path / "hf")  # keeps bf16
+    got = load_file(hf / "diffusion_pytorch_model.safetensors")
+    for key, tensor in reference.state_dict().items():
+        assert torch.equal(got[key], tensor.to(torch.bfloat16)), key
+    hf32 = convert("mm_to_hf", mm, tmp_path / "hf32", None, None, "--cfg.dtype", "fp32")
+    assert load_file(hf32 / "diffusion_pytorch_model.safetensors")["proj_out.weight"].dtype == torch.float32
+
+
+# --- original (BFL) single file ----------------------------------------------------------------
+def diffusers_converter(bfl_state_dict, hidden_size):
+    """diffusers' `convert_flux_transformer_checkpoint_to_diffusers`, with its FLUX.1 width
+    (`inner_dim = 3072`, hard-coded, used to split linear1) set to the tiny model's."""
+    fn = single_file_utils.convert_flux_transformer_checkpoint_to_diffusers
+    consts = fn.__code__.co_consts
+    assert consts.count(3072) == 1
+    code = fn.__code__.replace(co_consts=tuple(hidden_size if c == 3072 else c for c in consts))
+    return types.FunctionType(code, fn.__globals__)(dict(bfl_state_dict))
+
+
+@pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])
+@pytest.mark.parametrize("guidance", [True, False], ids=["dev", "schnell"])
+def test_single_file_gives_what_diffusers_converter_gives(prefix, guidance, tmp_path):
+    config = TINY.replace(guidance_embeds=guidance)
+    ref = random_reference(config, seed=5).state_dict()
+    bfl = diffusers_to_bfl(ref, config, prefix)
+    if prefix:  # a full checkpoint also carries other components: ignored
+        bfl["first_stage_model.decoder.conv_in.weight"] = torch.zeros(3)
+    oracle = diffusers_converter(bfl, config.hidden_size)
+    assert set(oracle) == set(ref) and all(torch.equal(oracle[k], ref[k]) for k in ref)  # inverse is right
+    save_file(bfl, tmp_path / "flux1-tiny.safetensors")
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(config.to_diffusers_config()))
+    mm = convert("hf_to_mm", tmp_path / "flux1-tiny.safetensors", tmp_path / "mm", 2, [4, 2],
+                 "--cfg.hf_dir", str(tmp_path / "cfg"))
+    hf = convert("mm_to_hf", mm, tmp_path / "hf")
+    got = load_file(hf / "diffusion_pytorch_model.safetensors")
+    assert set(got) == set(oracle)
+    for key, tensor in oracle.items():
+        assert torch.equal(got[key], tensor), key
+
+
+def test_single_file_with_a_preset(tmp_path):
+    ref = random_reference(TINY, seed=8)
+    save_file(diffusers_to_bfl(ref.state_dict(), TINY), tmp_path / "flux.safetensors")
+    mm = convert("hf_to_mm", tmp_path / "flux.safetensors", tmp_path / "mm", 4, None, "--cfg.preset", "tiny")
+    hf = convert("mm_to_hf", mm, tmp_path / "hf")
+    got = FluxTransformer2DModel.from_pretrained(hf).state_dict()
+    assert all(torch.equal(got[k], t) for k, t in ref.state_dict().items())
+
+
+# --- loading MM shards into a model at another TP / PP ---------------------------------------
+def run_stages(chunks, inputs):
+    """Forward through pipeline chunks in order, passing the stage tensor along as the schedule would."""
+    packed = None
+    with torch.no_grad():
+        for chunk in chunks:
+            chunk.set_input_tensor(packed)
+            packed = chunk(**inputs)
+    return packed
+
+
+@pytest.mark.parametrize("source", ["tp2-pp2", "tp4-pp4", "tp2-vpp2x2"])
+@pytest.mark.parametrize("target_pp", [None, [1, 3, 2], [[2, 1], [1, 2]]], ids=["pp1", "pp3", "vpp2x2"])
+def test_model_loaded_from_shards_matches_diffusers(parallel_1proc, reference, mm_dirs, source, target_pp):
+    chunks = []
+    for spec in sorted(stage_specs(target_pp, TINY.num_blocks).values(), key=lambda s: s.block_range):
+        chunk = FluxTransformer(TINY, pre_process=spec.pre_process, post_process=spec.post_process,
+                                block_range=spec.block_range)
+        load_megatron_checkpoint(chunk, str(mm_dirs[source]))
+        chunks.append(chunk)
+    inputs = make_inputs(TINY, batch=2, height=3, width=4, txt_len=5)
+    with torch.no_grad():
+        expected = reference_output(reference, inputs)
+    assert rel_err(run_stages(chunks, inputs), expected) <= TOL
+
+
+# --- training checkpoints: iterations, extras ---------------------------------------------------
+def test_training_checkpoint_with_extras_and_iterations(parallel_1proc, tmp_path):
+    model = FluxTransformer(TINY)
+    meta = CheckpointMeta(TINY)
+    extras = {"optimizer": {"state": {0: {"exp_avg": torch.randn(3, 4).bfloat16()}},
+                            "param_groups": [{"lr": 1e-5, "params": [0]}]},
+              "opt_param_scheduler": {"num_steps": 100},
+              "rng_state": [{"random_rng_state": (3, (1, 2), None), "torch_rng_state": torch.get_rng_state()}]}
+    for iteration in (100, 200):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.1)
+        writer = CheckpointWriter(str(tmp_path), meta, iteration)
+        writer.write_shard(0, 0, {"model": model.state_dict(), **extras})
+        assert writer.commit() == str(tmp_path / f"iter_{iteration:07d}")
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "200"
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+    plain = torch.load(tmp_path / "iter_0000200" / "mp_rank_00" / "model_optim_rng.pt", weights_only=True)
+    assert plain["iteration"] == 200 and plain["checkpoint_version"] == 3.0
+    assert torch.equal(plain["optimizer"]["state"][0]["exp_avg"], extras["optimizer"]["state"][0]["exp_avg"])
+    assert torch.equal(plain["rng_state"][0]["torch_rng_state"], extras["rng_state"][0]["torch_rng_state"])
+    assert plain["rng_state"][0]["random_rng_state"] == (3, (1, 2), None)
+
+    ckpt = MegatronCheckpoint(str(tmp_path))
+    got = ckpt.extras(0, 0)
+    assert got["opt_param_scheduler"] == {"num_steps": 100} and got["iteration"] == 200
+    ckpt.close()
+    fresh = FluxTransformer(TINY)
+    load_megatron_checkpoint(fresh, str(tmp_path))  # latest: 200
+    assert all(torch.equal(p, dict(model.named_parameters())[n]) for n, p in fresh.named_parameters())
+    load_megatron_checkpoint(fresh, str(tmp_path), iteration=100)
+    assert not torch.equal(fresh.x_embedder.weight, model.x_embedder.weight)
+
+
+# --- shard file I/O ------------------------------------------------------------------------------
+def test_shard_writer_and_reader_against_plain_torch(tmp_path):
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    tree = {"model": {"t": base.t(), "view": base[1:3, 2:], "bf16": torch.randn(5).bfloat16(),
+                      "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3), "ints": torch.arange(7)},
+            "nested": [{"a": torch.ones(2, dtype=torch.float16)}, (1, "x", None)], "version": 3.0}
+    write_shard(str(tmp_path / "s.pt"), tree)
+    plain = torch.load(tmp_path / "s.pt", weights_only=True)
+    reader = ShardReader(str(tmp_path / "s.pt"))
+    for got in (plain, reader.load()):
+        for name, t in tree["model"].items():
+            assert got["model"][name].dtype == t.dtype and torch.equal(got["model"][name], t), name
+        assert torch.equal(got["nested"][0]["a"], tree["nested"][0]["a"])
+        assert got["nested"][1] == (1, "x", None) and got["version"] == 3.0
+    reader.close()
+    # a file torch.save wrote, with views sharing one storage
+    torch.save({"a": base[1], "b": base[:, 2], "c": base}, tmp_path / "plain.pt")
+    reader = ShardReader(str(tmp_path / "plain.pt"))
+    for key, want in {"a": base[1], "b": base[:, 2], "c": base}.items():
+        assert torch.equal(reader.read(reader.get(key)), want)
+    got = reader.load()
+    assert torch.equal(got["b"], base[:, 2]) and got["b"].untyped_storage().data_ptr() == got["c"].data_ptr()
+    reader.close()
+
+
+def test_shard_writer_refuses_missing_or_misshaped_tensors(tmp_path):
+    writer = ShardWriter(str(tmp_path / "s.pt"), {"a": torch.zeros(2, 3), "b": torch.zeros(4)})
+    with pytest.raises(ValueError, match=r"\('a',\) is \(3, 2\) torch.float32, the file reserves \(2, 3\)"):
+        writer.write(("a",), torch.zeros(3, 2))
+    writer.write(("b",), torch.ones(4))
+    with pytest.raises(ValueError, match="1 tensors were never written"):
+        writer.close()
+
+
+def test_truncated_shard_is_a_clear_error(tmp_path):
+    write_shard(str(tmp_path / "s.pt"), {"a": torch.randn(1000)})
+    data = (tmp_path / "s.pt").read_bytes()
+    (tmp_path / "s.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"cannot read checkpoint shard .*s\.pt \(truncated"):
+        ShardReader(str(tmp_path / "s.pt"))
