@@ -13,9 +13,13 @@ import torch.nn.functional as F
 
 
 # --- torch reference implementations ------------------------------------------------
-def attention_torch(q, k, v):
-    """Softmax attention, [B, H, S, d] in and out (no mask: FLUX attends to everything)."""
-    return F.scaled_dot_product_attention(q, k, v)
+def attention_torch(q, k, v, key_mask=None):
+    """Softmax attention, [B, H, S, d] in and out.
+
+    FLUX attends to everything; `key_mask` [S_k] (bool, True = attend) only drops the
+    padding that sequence parallelism adds when the token count does not divide."""
+    mask = None if key_mask is None else key_mask[None, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def rms_norm_torch(x, weight, eps):
@@ -37,11 +41,13 @@ def rope_torch(x, cos, sin):
 
 # --- NPU fused kernels (torch_npu) ---------------------------------------------------
 def _npu_kernels(torch_npu):
-    def attention(q, k, v):
+    def attention(q, k, v, key_mask=None):
         heads, head_dim = q.shape[1], q.shape[-1]
+        # npu_fusion_attention's mask is the opposite of torch's: True = masked out, [S_q, S_k].
+        mask = None if key_mask is None else (~key_mask).expand(q.shape[2], -1).contiguous()
         return torch_npu.npu_fusion_attention(
-            q, k, v, heads, input_layout="BNSD", scale=1.0 / math.sqrt(head_dim),
-            keep_prob=1.0)[0]
+            q, k, v, heads, input_layout="BNSD", atten_mask=mask,
+            scale=1.0 / math.sqrt(head_dim), keep_prob=1.0)[0]
 
     def rms_norm(x, weight, eps):
         if weight.dtype in (torch.float16, torch.bfloat16):
@@ -72,8 +78,8 @@ def select_kernels(platform_name: str, torch_npu_module=None, enabled: bool = Tr
     return _selected
 
 
-def attention(q, k, v):
-    return _selected.attention(q, k, v)
+def attention(q, k, v, key_mask=None):
+    return _selected.attention(q, k, v, key_mask)
 
 
 def rms_norm(x, weight, eps):

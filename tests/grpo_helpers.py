@@ -2,9 +2,30 @@
 import json
 import os
 
+import torch
+
+from mm_grpo.rewards.base import REWARDS, Reward, register_reward
+
 TRAIN_PROMPTS = ["a red circle", "a blue square", "a green triangle", "two yellow circles",
                  "a purple square above a circle", "an orange triangle"]
 EVAL_PROMPTS = ["a white circle", "a black square"]
+
+
+if "test_smooth" not in REWARDS:
+    @register_reward("test_smooth")
+    class SmoothReward(Reward):
+        """A reward that is a smooth function of the pixels (for tests only).
+
+        JPEG sizes and CLIP preprocessing round pixels to 8 bits, so two numerically equal
+        runs (1e-7 apart) can get rewards that differ by a quantisation step; comparing
+        parallel layouts needs a reward without steps."""
+
+        def score(self, images, prompts):
+            pattern = torch.linspace(-1, 1, images[0].numel(), device=images.device).view_as(images[0])
+            return (images * pattern).flatten(1).mean(1) * 100
+
+
+SMOOTH_REWARD = [{"name": "test_smooth", "weight": 1.0}]
 
 
 def write_configs(folder, pipeline_dir, reward=None, prompts=TRAIN_PROMPTS):

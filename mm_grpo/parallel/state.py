@@ -32,6 +32,9 @@ class ParallelConfig:
             raise ValueError(
                 f"world size {world_size} is not divisible by TP x PP x CP = "
                 f"{self.tp} x {self.pp} x {self.cp}")
+        if self.vpp is not None and (self.vpp < 2 or self.pp < 2):
+            raise ValueError(f"virtual pipeline size {self.vpp} needs vpp >= 2 and pipeline-model-parallel "
+                             f"size >= 2 (got pp={self.pp}); use vpp=None for no virtual stages")
         if self.cp > 1 and self.cp_algo != "ulysses_cp_algo":
             raise ValueError(f"context-parallel-algo {self.cp_algo!r}: only 'ulysses_cp_algo' is supported")
 

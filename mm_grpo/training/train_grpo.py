@@ -39,6 +39,9 @@ class GRPORun:
         self.data_cfg = components.resolve_paths(args.mm_data_config, os.path.dirname(os.path.abspath(args.mm_data)))
         self.platform = get_platform()
         self.device = self.platform.device
+        if args.bf16 and self.platform.name == "cpu":
+            raise ValueError("--bf16 training needs an accelerator: megatron-core's linear layers restore CUDA "
+                             "autocast in their backward, so bf16 autocast fails on CPU (train in fp32 there)")
         # Cheap checks first: configs, prompt files, rewards (weights paths), batch sizes.
         predictor = components.block(self.model_cfg, "predictor", "--mm-model")
         self.flux_config = flux_config_from_block(

@@ -4,9 +4,10 @@ import os
 import pytest
 import torch
 
+from tests.distributed.checks_grpo import ADAM_LINEAR
 from tests.distributed.conftest import check_result
 from tests.fixtures import parallel_1proc  # noqa: F401
-from tests.grpo_helpers import grpo_argv, run_grpo, write_configs
+from tests.grpo_helpers import SMOOTH_REWARD, grpo_argv, run_grpo, write_configs
 from tests.utils import rel_err
 
 TOL = 1e-5
@@ -15,8 +16,9 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def single_process(parallel_1proc, tiny_pipeline_dir, tmp_path_factory):
     from tests.utils import gather_hf_state_dict
-    history, run = run_grpo(grpo_argv(*write_configs(tmp_path_factory.mktemp("grpo1"), tiny_pipeline_dir),
-                                      iters=2))
+    history, run = run_grpo(grpo_argv(*write_configs(tmp_path_factory.mktemp("grpo1"), tiny_pipeline_dir,
+                                                    reward=SMOOTH_REWARD),
+                                      iters=2, extra=ADAM_LINEAR))
     return history, gather_hf_state_dict(run.policy)
 
 

@@ -19,6 +19,9 @@ import torch.distributed as dist
 # Modules whose import registers checks.
 CHECK_MODULES = [
     "tests.distributed.checks_tp",
+    "tests.distributed.checks_pp_sp",
+    "tests.distributed.checks_convert",
+    "tests.distributed.checks_grpo",
 ]
 
 _CHECKS = []
@@ -34,11 +37,14 @@ def check(*world_sizes):
 def main(out_path):
     for name in CHECK_MODULES:
         importlib.import_module(name)
+    # Under `-m` this file runs as __main__, while the check modules register with the
+    # importable `tests.distributed.worker`: read the checks from that one.
+    checks = importlib.import_module("tests.distributed.worker")._CHECKS
     from mm_grpo.parallel.state import destroy_parallel, init_process_group
     init_process_group()
     world, rank = dist.get_world_size(), dist.get_rank()
     results = {}
-    for fn, sizes in _CHECKS:
+    for fn, sizes in checks:
         if world not in sizes:
             continue
         start = time.time()

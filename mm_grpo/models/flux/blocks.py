@@ -1,7 +1,9 @@
 """FLUX double-stream (MMDiT) and single-stream (parallel attention + MLP) blocks.
 
 Both take and return the joint sequence x = [text ; image] as [S, B, D] with the text
-length `n_txt`, so a pipeline stage boundary is always one tensor.
+length `n_txt`, so a pipeline stage boundary is always one tensor. Under sequence
+parallelism x is this rank's [text piece ; image piece] (`n_txt` its local text rows),
+`rope` is cut the same way and `key_mask` marks the padding (mm_grpo/parallel/ulysses.py).
 """
 import torch
 import torch.nn.functional as F
@@ -45,7 +47,7 @@ class DoubleStreamBlock(nn.Module):
         self.txt_mlp = MLP(dim, config.mlp_hidden_size, tconfig)
         self.core_attention = CoreAttention()
 
-    def forward(self, x, n_txt, vec, rope):
+    def forward(self, x, n_txt, vec, rope, key_mask=None):
         txt, img = x[:n_txt], x[n_txt:]
         img_shift, img_scale, img_gate, img_shift2, img_scale2, img_gate2 = self.img_mod(vec)
         txt_shift, txt_scale, txt_gate, txt_shift2, txt_scale2, txt_gate2 = self.txt_mod(vec)
@@ -54,7 +56,7 @@ class DoubleStreamBlock(nn.Module):
         q_t, k_t, v_t = self.txt_attn(modulate(layer_norm(txt, self.eps), txt_shift, txt_scale))
         q = apply_rope(torch.cat([q_t, q_i]), rope)
         k = apply_rope(torch.cat([k_t, k_i]), rope)
-        o = self.core_attention(q, k, torch.cat([v_t, v_i]))
+        o = self.core_attention(q, k, torch.cat([v_t, v_i]), key_mask)
 
         img = img + img_gate * self.img_attn.project(o[n_txt:])
         img = img + img_gate2 * self.img_mlp(modulate(layer_norm(img, self.eps), img_shift2, img_scale2))
@@ -81,13 +83,13 @@ class SingleStreamBlock(nn.Module):
         self.linear_out = row_linear(dim + hidden, dim, tconfig)
         self.core_attention = CoreAttention()
 
-    def forward(self, x, n_txt, vec, rope):
+    def forward(self, x, n_txt, vec, rope, key_mask=None):
         shift, scale, gate = self.modulation(vec)
         fused, _ = self.linear_in(modulate(layer_norm(x, self.eps), shift, scale))
         qkv, mlp = fused.split(self.split_sizes, dim=-1)
         q, k, v = split_heads(qkv, self.head_dim)
         q = apply_rope(self.q_norm(q), rope)
         k = apply_rope(self.k_norm(k), rope)
-        o = self.core_attention(q, k, v)
+        o = self.core_attention(q, k, v, key_mask)
         out, _ = self.linear_out(torch.cat([o, F.gelu(mlp, approximate="tanh")], dim=-1))
         return _clip_fp16(x + gate * out)

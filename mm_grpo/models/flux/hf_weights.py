@@ -16,12 +16,20 @@ from mm_grpo.models.flux import layout
 from mm_grpo.models.flux.config import FluxConfig
 
 _INDEX = "diffusion_pytorch_model.safetensors.index.json"
+# dtype names in safetensors headers
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                      "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 class SafetensorsWeights(Mapping):
-    """A read-only, lazy name -> tensor mapping over one or more safetensors files."""
+    """A read-only, lazy name -> tensor mapping over one or more safetensors files.
 
-    def __init__(self, files):
+    `backend` is safetensors' own: "mmap" maps the files, "pread" reads each tensor with
+    pread(2) so that tensors already used do not stay resident (the converter uses it)."""
+
+    def __init__(self, files, backend="mmap"):
+        self._backend = backend
         self._where = {}
         for path in files:
             try:
@@ -35,11 +43,25 @@ class SafetensorsWeights(Mapping):
     def _handle(self, name):
         path = self._where[name]
         if path not in self._handles:
-            self._handles[path] = safe_open(path, framework="pt")
+            self._handles[path] = safe_open(path, framework="pt", backend=self._backend)
         return self._handles[path]
 
     def shape_of(self, name):
         return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def meta(self, name):
+        """A meta tensor with the stored shape and dtype (reads no tensor bytes)."""
+        info = self._handle(name).get_slice(name)
+        if info.get_dtype() not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name} in {self._where[name]} has unsupported dtype {info.get_dtype()}")
+        return torch.empty(info.get_shape(), dtype=SAFETENSORS_DTYPES[info.get_dtype()], device="meta")
+
+    def rows(self, name, start, stop):
+        """Rows [start, stop) of a tensor, reading only their bytes (parts of a fused tensor)."""
+        try:
+            return self._handle(name).get_slice(name)[start:stop]
+        except Exception as e:
+            raise ValueError(f"cannot read tensor {name} from {self._where[name]} (truncated file?): {e}") from None
 
     def __getitem__(self, name):
         handle, path = self._handle(name), self._where[name]
@@ -64,7 +86,7 @@ def transformer_dir(path: str) -> str:
     return path
 
 
-def open_diffusers_weights(path: str) -> SafetensorsWeights:
+def open_diffusers_weights(path: str, backend: str = "mmap") -> SafetensorsWeights:
     """Weights of a diffusers transformer folder (sharded with an index, or not)."""
     folder = transformer_dir(path)
     index = os.path.join(folder, _INDEX)
@@ -79,7 +101,7 @@ def open_diffusers_weights(path: str) -> SafetensorsWeights:
         files = sorted(glob.glob(os.path.join(folder, "diffusion_pytorch_model*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no diffusion_pytorch_model*.safetensors in {folder}")
-    return SafetensorsWeights(files)
+    return SafetensorsWeights(files, backend)
 
 
 def expected_hf_shapes(config: FluxConfig) -> dict:

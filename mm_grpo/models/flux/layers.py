@@ -1,4 +1,4 @@
-"""Tensor-parallel building blocks of the FLUX transformer.
+"""Tensor-parallel building blocks of the FLUX transformer (Ulysses SP in `CoreAttention`).
 
 Activations are [S, B, D] (Megatron's layout); heads are [S, B, H, d]. Which linear
 is column- or row-parallel is also declared, as data, in `layout.py`.
@@ -11,6 +11,7 @@ from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel
 from torch import nn
 
 from mm_grpo import kernels
+from mm_grpo.parallel import ulysses
 
 
 def _init_normal(weight):
@@ -69,14 +70,26 @@ class HeadRMSNorm(nn.Module):
 
 
 class CoreAttention(nn.Module):
-    """softmax(q k^T / sqrt(d)) v over the whole sequence: [S, B, H, d] -> [S, B, H*d].
+    """softmax(q k^T / sqrt(d)) v over the joint sequence: [S, B, H, d] -> [S, B, H*d].
 
-    Ulysses sequence parallelism replaces this module (see mm_grpo/parallel)."""
+    Under Ulysses sequence parallelism (context-parallel size > 1) q/k/v hold this rank's
+    piece of the sequence with all its (TP-local) heads: one all-to-all trades them for the
+    whole sequence with heads / SP, a second one trades the output back (see
+    mm_grpo/parallel/ulysses.py). `key_mask` drops the padding SP adds (None: no padding)."""
 
-    def forward(self, q, k, v):
+    def __init__(self):
+        super().__init__()
+        cp = parallel_state.get_context_parallel_world_size()
+        self.cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
+
+    def forward(self, q, k, v, key_mask=None):
+        if self.cp_group is not None:  # one all-to-all for q, k and v together
+            q, k, v = ulysses.seq_to_heads(torch.stack([q, k, v], dim=2), self.cp_group).unbind(2)
         to_bhsd = lambda t: t.permute(1, 2, 0, 3)  # noqa: E731
-        out = kernels.attention(to_bhsd(q), to_bhsd(k), to_bhsd(v))
-        return out.permute(2, 0, 1, 3).flatten(2)
+        out = kernels.attention(to_bhsd(q), to_bhsd(k), to_bhsd(v), key_mask).permute(2, 0, 1, 3)
+        if self.cp_group is not None:
+            out = ulysses.heads_to_seq(out, self.cp_group)
+        return out.flatten(2)
 
 
 def apply_rope(x, rope):

@@ -3,6 +3,12 @@
 `FluxTransformer.forward` has the meaning of diffusers' `FluxTransformer2DModel.forward`
 (same arguments, returns the velocity tensor [B, S_img, C]). Inside, activations are
 [S, B, D] with the joint sequence [text ; image], as Megatron lays them out.
+
+At any parallel layout every rank of the model-parallel group calls `forward` with the
+same (whole) inputs: under Ulysses SP the first stage cuts out this rank's tokens and the
+last stage gathers the output over the SP group; a pipeline stage that is not the first
+reads the previous stage's tensor (`set_input_tensor`) and uses the inputs only for the
+token ids, and one that is not the last returns the packed stage tensor.
 """
 import contextlib
 
@@ -19,6 +25,7 @@ from mm_grpo.models.flux.blocks import DoubleStreamBlock, SingleStreamBlock
 from mm_grpo.models.flux.config import FluxConfig
 from mm_grpo.models.flux.embeddings import TimeTextEmbedding, rope_tables
 from mm_grpo.models.flux.layers import Modulation, layer_norm, modulate
+from mm_grpo.parallel.ulysses import SequenceShard
 
 
 def check_parallel_sizes(config: FluxConfig, tp: int, cp: int = 1):
@@ -34,6 +41,7 @@ def transformer_config(config: FluxConfig, params_dtype=torch.float32, **overrid
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     cp = parallel_state.get_context_parallel_world_size()
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     check_parallel_sizes(config, tp, cp)
     from mm_grpo import get_platform
     kwargs = dict(
@@ -41,9 +49,17 @@ def transformer_config(config: FluxConfig, params_dtype=torch.float32, **overrid
         num_attention_heads=config.num_attention_heads, kv_channels=config.attention_head_dim,
         ffn_hidden_size=config.mlp_hidden_size,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
-        params_dtype=params_dtype, pipeline_dtype=torch.bfloat16 if config.bf16 else params_dtype,
+        virtual_pipeline_model_parallel_size=vpp,
+        # Under bf16 autocast the residual stream stays in the parameter dtype (LayerNorm
+        # runs in fp32), so the stage tensor does too: a stage boundary changes nothing.
+        params_dtype=params_dtype, pipeline_dtype=params_dtype,
         bf16=config.bf16, use_cpu_initialization=get_platform().name == "cpu",
-        gradient_accumulation_fusion=False, sequence_parallel=False)
+        gradient_accumulation_fusion=False, sequence_parallel=False,
+        # With 2 stages the previous and the next stage are the same rank: batched p2p would
+        # put both directions on one communicator, where an activation and a gradient sent
+        # at once can be matched to each other's receive (seen with virtual stages on gloo).
+        # The unbatched path sends the two directions on two different groups.
+        batch_p2p_comm=pp != 2)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -65,14 +81,18 @@ class FinalLayer(nn.Module):
 
 class FluxTransformer(MegatronModule):
     """FLUX.1 transformer; `block_range` selects the stage's part of the block sequence
-    [double blocks, then single blocks] (blocks are numbered locally, as Megatron does)."""
+    [double blocks, then single blocks] (blocks are numbered locally, as Megatron does).
+    `vp_stage` is the virtual pipeline chunk it is (None without virtual stages)."""
 
     def __init__(self, config: FluxConfig, tconfig: TransformerConfig = None,
-                 pre_process: bool = True, post_process: bool = True, block_range=None):
+                 pre_process: bool = True, post_process: bool = True, block_range=None,
+                 vp_stage=None):
         tconfig = tconfig or transformer_config(config)
         super().__init__(tconfig)
         self.flux_config = config
         self.model_type = ModelType.encoder_or_decoder
+        self.vp_stage = vp_stage  # Megatron's schedules check it against the chunk they run
+        self.share_embeddings_and_output_weights = False  # read by Megatron's finalize_model_grads
         self.pre_process, self.post_process = pre_process, post_process
         start, end = block_range or (0, config.num_blocks)
         if not 0 <= start <= end <= config.num_blocks:
@@ -119,17 +139,17 @@ class FluxTransformer(MegatronModule):
         img = self.x_embedder(hidden_states)
         return torch.cat([txt, img], dim=1).transpose(0, 1).contiguous()
 
-    def run_blocks(self, x, n_txt, vec, rope):
+    def run_blocks(self, x, n_txt, vec, rope, key_mask=None):
         for block in [*self.double_blocks, *self.single_blocks]:
             if self.flux_config.recompute_blocks and torch.is_grad_enabled():
-                x = checkpoint(block, x, n_txt, vec, rope, use_reentrant=False)
+                x = checkpoint(block, x, n_txt, vec, rope, key_mask, use_reentrant=False)
             else:
-                x = block(x, n_txt, vec, rope)
+                x = block(x, n_txt, vec, rope, key_mask)
         return x
 
     def head(self, x, n_txt, vec):
-        """Final norm and projection of the image tokens: [S, B, D] -> [B, S_img, C]."""
-        return self.final_layer(x[n_txt:], vec).transpose(0, 1)
+        """Final norm and projection of the image tokens: [S, B, D] -> [S_img, B, C]."""
+        return self.final_layer(x[n_txt:], vec)
 
     def _autocast(self):
         if not self.flux_config.bf16:
@@ -139,20 +159,25 @@ class FluxTransformer(MegatronModule):
 
     def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep,
                 img_ids, txt_ids, guidance=None):
-        n_txt = txt_ids.shape[-2]
-        rope = self.rope(txt_ids, img_ids)  # fp32, outside autocast; no weights: every stage
+        seq = SequenceShard.current(n_txt=txt_ids.shape[-2], n_img=img_ids.shape[-2])
+        # fp32, outside autocast; no weights, so every stage makes its own; cut like the tokens.
+        rope = tuple(seq.joint(t) for t in self.rope(txt_ids, img_ids))
+        key_mask = seq.key_mask(rope[0].device)
         with self._autocast():
             if self.pre_process:
                 vec = self.conditioning(timestep, guidance, pooled_projections)
-                x = self.embed(hidden_states, encoder_hidden_states)
+                x = self.embed(seq.img(hidden_states, dim=1), seq.txt(encoder_hidden_states, dim=1))
             else:
                 x, vec = unpack_stage_tensor(self.input_tensor)
-            x = self.run_blocks(x, n_txt, vec, rope)
-            return self.head(x, n_txt, vec) if self.post_process else pack_stage_tensor(x, vec)
+            x = self.run_blocks(x, seq.txt_len, vec, rope, key_mask)
+            if not self.post_process:
+                return pack_stage_tensor(x, vec).to(self.config.pipeline_dtype)  # p2p's buffer dtype
+            return seq.gather_img(self.head(x, seq.txt_len, vec)).transpose(0, 1)
 
 
 def pack_stage_tensor(x, vec):
-    """One tensor between pipeline stages: [text ; image ; silu(temb)] as [S + 1, B, D].
+    """One tensor between pipeline stages: [text ; image ; silu(temb)] as [S + 1, B, D]
+    (under SP: this rank's [text piece ; image piece ; silu(temb)]).
 
     Sending the conditioning vector along as one extra row keeps Megatron's single-tensor
     p2p contract, keeps the embedders on the first stage only, and lets its gradient flow

@@ -1,0 +1,193 @@
+"""FLUX under pipeline parallelism: model chunks per rank, training through megatron-core's
+schedules, and pipelined forward-only inference for the rollout.
+
+Every rank of a model-parallel group (TP x CP x PP) calls these functions with the same
+arguments. Stages exchange one tensor per micro-batch, [text ; image ; silu(temb)] as
+[S + 1, B, D] (this rank's pieces under Ulysses SP, see `model.pack_stage_tensor`).
+See docs/parallelism.md.
+"""
+import os
+from typing import Callable, Dict, List, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_attr_wrapped_model
+
+from mm_grpo.models.flux.config import FluxConfig
+from mm_grpo.models.flux.hf_weights import check_hf_weights, load_hf_weights, open_diffusers_weights
+from mm_grpo.models.flux.model import FluxTransformer, transformer_config
+from mm_grpo.parallel.pipeline_layout import PPLayers, normalize_pp_layers, stage_specs
+from mm_grpo.parallel.ulysses import SequenceShard
+
+# The keyword arguments of FluxTransformer.forward (diffusers' names); other keys of a
+# micro-batch are for the loss.
+FORWARD_KEYS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep",
+                "img_ids", "txt_ids", "guidance")
+
+
+# --- model chunks ---------------------------------------------------------------------
+def resolve_pp_layers(pp_layers: PPLayers, num_blocks: int, pp: int, vpp: int) -> List[List[int]]:
+    """[vchunk][pp_rank] block counts for pp stages x vpp virtual stages (even split if None)."""
+    if pp_layers is None:
+        stages = pp * vpp
+        if num_blocks % stages:
+            raise ValueError(
+                f"{num_blocks} blocks do not split evenly over {pp} pipeline stages x {vpp} virtual "
+                f"stages: pass pp_layers (blocks per stage) explicitly")
+        return [[num_blocks // stages] * pp for _ in range(vpp)]
+    chunks = normalize_pp_layers(pp_layers, num_blocks)
+    if len(chunks[0]) != pp:
+        raise ValueError(f"pp_layers {pp_layers} has {len(chunks[0])} stages, but the pipeline-model-"
+                         f"parallel size is {pp}")
+    if len(chunks) != vpp:
+        raise ValueError(f"pp_layers {pp_layers} has {len(chunks)} virtual chunk(s) per stage, but the "
+                         f"virtual pipeline size is {vpp} (use one inner list per virtual chunk)")
+    return chunks
+
+
+def build_model_chunks(config: FluxConfig, pp_layers: PPLayers = None) -> List[FluxTransformer]:
+    """This rank's model chunks, one per virtual stage, for megatron-core's parallel state.
+
+    `pp_layers` counts blocks per stage over [double..., single...] (a nested list for
+    virtual stages, as in the converter); None splits evenly."""
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    chunks = resolve_pp_layers(pp_layers, config.num_blocks, pp, vpp or 1)
+    specs = stage_specs(chunks, config.num_blocks)
+    tconfig = transformer_config(config)
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    return [FluxTransformer(config, tconfig, s.pre_process, s.post_process, s.block_range,
+                            vp_stage=v if vpp else None)
+            for v, s in enumerate(specs[(rank, v)] for v in range(vpp or 1))]
+
+
+def load_hf_weights_into_chunks(model_chunks: Sequence[FluxTransformer], weights):
+    """Diffusers-named weights (a mapping or a path) into every chunk of this rank."""
+    if isinstance(weights, (str, os.PathLike)):  # open the safetensors once for all chunks
+        weights = open_diffusers_weights(str(weights))
+    chunks = [get_attr_wrapped_model(c, "flux_config", return_model_obj=True) for c in model_chunks]
+    check_hf_weights(weights, chunks[0].flux_config)
+    for chunk in chunks:
+        load_hf_weights(chunk, weights, check=False)
+    return model_chunks
+
+
+# --- shapes and checks ------------------------------------------------------------------
+def _micro_batch_layout(micro_batches: Sequence[Dict]):
+    """(micro-batch size, n_txt, n_img); every micro-batch must have the same shapes."""
+    if not micro_batches:
+        raise ValueError("no micro-batches given")
+    shapes = {(mb["hidden_states"].shape[0], mb["txt_ids"].shape[-2], mb["img_ids"].shape[-2])
+              for mb in micro_batches}
+    if len(shapes) > 1:
+        raise ValueError(f"micro-batches differ in (batch, text tokens, image tokens): {sorted(shapes)}; "
+                         "pipeline stages exchange fixed-shape tensors")
+    return shapes.pop()
+
+
+def _check_num_microbatches(num_microbatches: int, model_chunks):
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if len(model_chunks) > 1 and num_microbatches % pp:
+        # megatron-core's interleaved schedule runs micro-batches in groups of pp per chunk.
+        raise ValueError(f"the interleaved (virtual-stage) schedule needs a number of micro-batches "
+                         f"divisible by the pipeline size {pp}, got {num_microbatches}")
+
+
+def _run_schedule(model_chunks, micro_batches, loss_func, forward_only, collect_non_loss_data=False):
+    """megatron-core's schedule over `micro_batches`; returns the last stage's forward data."""
+    mbs, n_txt, n_img = _micro_batch_layout(micro_batches)
+    _check_num_microbatches(len(micro_batches), model_chunks)
+    seq = SequenceShard.current(n_txt, n_img)
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model(**{k: batch[k] for k in FORWARD_KEYS if k in batch})
+        return output, lambda out, non_loss_data=False: loss_func(out, batch)
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=[iter(micro_batches) for _ in model_chunks],  # each chunk sees every micro-batch
+        model=list(model_chunks), num_microbatches=len(micro_batches),
+        # Megatron's p2p shape is (seq_length // CP, mbs, D): this rank's rows + the temb row.
+        seq_length=seq.size * (seq.local_len + 1), micro_batch_size=mbs,
+        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data)
+
+
+def _broadcast_from_last_stage(obj):
+    box = [obj]
+    dist.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                               group=parallel_state.get_pipeline_model_parallel_group())
+    return box[0]
+
+
+# --- training -------------------------------------------------------------------------
+def forward_backward(model_chunks: Sequence[FluxTransformer], micro_batches: Sequence[Dict],
+                     loss_fn: Callable, forward_only: bool = False) -> List[Dict]:
+    """Forward (and backward) of `micro_batches` through megatron-core's pipeline schedule.
+
+    micro_batches: dicts with FluxTransformer.forward's kwargs (diffusers meaning, whole
+        sequences, the same on every rank of the model-parallel group) + what the loss needs.
+    loss_fn(output [B, S_img, C] gathered over SP, micro_batch) -> (loss scalar, stats dict);
+        it runs on the last pipeline stage only.
+    Returns one dict per micro-batch, {"loss": ..., **stats} with tensors detached and on the
+    CPU, on every rank of the pipeline group. Gradients follow megatron-core's convention:
+    the loss is scaled by CP / num_microbatches, so averaging gradients over the
+    data-parallel-with-CP group (Megatron DDP, or all_reduce AVG) gives d(mean loss)/dw.
+    """
+    def loss_func(output, batch):
+        loss, stats = loss_fn(output, batch)
+        # Megatron scales the returned loss in place, so record a copy.
+        return loss, {"loss": loss.detach().clone(), **stats}
+
+    results = _run_schedule(model_chunks, micro_batches, loss_func, forward_only)
+    if not parallel_state.is_pipeline_last_stage():
+        return _broadcast_from_last_stage(None)
+    return _broadcast_from_last_stage([{k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in r.items()}
+                                       for r in results])
+
+
+# --- pipelined inference for the rollout -------------------------------------------------
+def make_velocity_fn(model_chunks: Sequence[FluxTransformer], cond: Dict, micro_batch_size: int):
+    """velocity_fn(x [B, S_img, C], sigma [B]) -> v [B, S_img, C] on every model-parallel rank.
+
+    cond: the conditioning of the whole batch: encoder_hidden_states [B, L, 4096],
+    pooled_projections [B, 768], txt_ids [L, 3], img_ids [S_img, 3] and (FLUX.1-dev)
+    guidance [B]. The batch is cut into B / micro_batch_size micro-batches that are in flight
+    together through the pipeline (megatron-core's forward-only schedule); the last stage's
+    velocity is then broadcast over the pipeline group, so every PP/SP/TP rank can step the
+    sampler identically. With PP = 1 it is a plain forward per micro-batch.
+    """
+    batch = cond["encoder_hidden_states"].shape[0]
+    if micro_batch_size < 1 or batch % micro_batch_size:
+        raise ValueError(f"batch size {batch} is not divisible by micro_batch_size {micro_batch_size}")
+    num_microbatches = batch // micro_batch_size
+    # The interleaved schedule takes micro-batches in groups of PP: pad with repeats of the
+    # last one (their outputs are dropped). With fewer than PP micro-batches the padding
+    # runs in what would otherwise be the pipeline bubble.
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    padding = (-num_microbatches) % pp if len(model_chunks) > 1 else 0
+    config = get_attr_wrapped_model(model_chunks[0], "flux_config")
+    per_sample = [k for k in ("encoder_hidden_states", "pooled_projections", "guidance") if cond.get(k) is not None]
+
+    def velocity_fn(x, sigma):
+        if x.shape[0] != batch or sigma.shape != (batch,):
+            raise ValueError(f"velocity_fn takes x [{batch}, S_img, C] and sigma [{batch}], got "
+                             f"{tuple(x.shape)} and {tuple(sigma.shape)}")
+        micro_batches = [
+            dict({k: cond[k][i:i + micro_batch_size] for k in per_sample},
+                 hidden_states=x[i:i + micro_batch_size], timestep=sigma[i:i + micro_batch_size],
+                 img_ids=cond["img_ids"], txt_ids=cond["txt_ids"])
+            for i in range(0, batch, micro_batch_size)]
+        with torch.no_grad():
+            outs = _run_schedule(model_chunks, micro_batches + micro_batches[-1:] * padding,
+                                 lambda out, batch: out, forward_only=True, collect_non_loss_data=True)
+        v = torch.empty(batch, x.shape[1], config.output_channels, dtype=x.dtype, device=x.device)
+        if parallel_state.is_pipeline_last_stage():
+            v = torch.cat(outs[:num_microbatches]).to(x.dtype)
+        dist.broadcast(v, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                       group=parallel_state.get_pipeline_model_parallel_group())
+        return v
+
+    return velocity_fn

@@ -1,0 +1,286 @@
+"""The CPU patch set: lets megatron-core's CUDA-only calls run on the CPU.
+
+On an Ascend cluster `torch_npu.contrib.transfer_to_npu` maps `cuda` to `npu`; here the
+same mapping sends `cuda` to the CPU, with one difference: it is scoped. Every patch
+names the Megatron modules it changes and touches nothing else, so torch itself and
+every other library keep their behaviour (`torch.cuda.is_available()` stays False,
+`torch.cuda.synchronize()` still raises outside Megatron). Megatron's own functions
+run unchanged; only the CUDA-only calls inside them are redirected:
+
+- string constants in a module's code (`device="cuda"`, `'torch.cuda.FloatTensor'`)
+  are swapped for their CPU twins, in place, in the code objects of the functions and
+  methods the module defines;
+- a module's global name `torch` is rebound to a view of torch whose `torch.cuda`
+  answers the few calls Megatron makes (`current_device`, `synchronize`, the RNG) for
+  the CPU and forwards everything else to the real `torch.cuda`.
+
+Patches are declared in `CPU_PATCHES` (name, targets, why), like MindSpeed's patch
+manager. `apply_cpu_patches()` patches the targets already imported and hooks the
+import of the others, so it works before or after Megatron is imported.
+`docs/adaptor.md` has the table and the reasons.
+"""
+import dataclasses
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import re
+import sys
+import types
+from typing import Callable
+
+import torch
+
+_MC = "megatron.core."
+
+
+def _swap_code_constants(code: types.CodeType, mapping: dict) -> types.CodeType:
+    """`code` with the string constants in `mapping` replaced, nested code and tuples included."""
+
+    def swap(const):
+        if isinstance(const, str):
+            return mapping.get(const, const)
+        if isinstance(const, types.CodeType):
+            return _swap_code_constants(const, mapping)
+        if isinstance(const, (tuple, frozenset)):  # `x in ['a', 'b']` compiles to a tuple constant
+            return type(const)(swap(c) for c in const)
+        return const
+
+    return code.replace(co_consts=tuple(swap(c) for c in code.co_consts))
+
+
+def _own_functions(module: types.ModuleType):
+    """Plain functions whose code lives in `module`'s file: its functions and its classes' methods."""
+    seen, stack = set(), list(vars(module).values())
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, type) and obj.__module__ == module.__name__:
+            stack.extend(vars(obj).values())
+        elif isinstance(obj, (staticmethod, classmethod)):
+            stack.append(obj.__func__)
+        elif isinstance(obj, property):
+            stack.extend(f for f in (obj.fget, obj.fset, obj.fdel) if f is not None)
+        elif isinstance(obj, types.FunctionType) and obj.__code__.co_filename == module.__file__:
+            yield obj
+        wrapped = getattr(obj, "__wrapped__", None)  # functools.wraps: contextmanager, lru_cache, nvtx
+        if isinstance(wrapped, types.FunctionType):
+            stack.append(wrapped)
+
+
+def _constant_swapper(mapping: dict) -> Callable[[types.ModuleType], None]:
+    def apply(module):
+        for fn in _own_functions(module):
+            fn.__code__ = _swap_code_constants(fn.__code__, mapping)
+
+    return apply
+
+
+class _CudaOnCpu:
+    """`torch.cuda` as a patched Megatron module sees it: the CPU stands in for the GPU."""
+
+    @staticmethod
+    def current_device():
+        return torch.device("cpu")
+
+    @staticmethod
+    def synchronize(device=None):
+        """CPU kernels have finished when they return: nothing to wait for."""
+
+    @staticmethod
+    def get_rng_state(device="cuda"):
+        return torch.get_rng_state()
+
+    @staticmethod
+    def manual_seed(seed):
+        torch.manual_seed(seed)
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _TorchOnCpu(types.ModuleType):
+    """The name `torch` inside a patched Megatron module: real torch, but `.cuda` is `_CudaOnCpu`."""
+
+    def __init__(self):
+        super().__init__("torch", "torch as Megatron sees it on CPU (mm_grpo.platform.cpu_patches)")
+        self.cuda = _CudaOnCpu()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+_TORCH_ON_CPU = _TorchOnCpu()
+
+
+def _bind_torch_on_cpu(module):
+    module.torch = _TORCH_ON_CPU
+
+
+def _not_fork_warning(record: logging.LogRecord) -> bool:
+    # fork() warns when the CPU RNG moves inside a forked GPU RNG region; on CPU that is the point.
+    return record.getMessage() != "CPU RNG state changed within GPU RNG context"
+
+
+def _rng_on_cpu(module):
+    # Megatron's twins of torch.cuda.get/set_rng_state read the CUDA default generator;
+    # on CPU the device generator is the CPU one.
+    module._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    module._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    logging.getLogger(module.__name__).addFilter(_not_fork_warning)  # added once: same function
+
+
+def _tensor_cuda_noop(module):
+    module.Tensor.cuda = lambda self, device=None, non_blocking=False, **kwargs: self
+
+
+def megatron_core_version() -> tuple[int, int] | None:
+    """(major, minor) from megatron/core/package_info.py, read without importing megatron.core
+    (which would defeat patching on import); works for source checkouts too. None if absent."""
+    spec = importlib.util.find_spec("megatron.core")
+    if spec is None:
+        return None
+    with open(os.path.join(spec.submodule_search_locations[0], "package_info.py")) as f:
+        text = f.read()
+    return tuple(int(re.search(rf"^{k} = (\d+)", text, re.M).group(1)) for k in ("MAJOR", "MINOR"))
+
+
+def _megatron_before_0_13() -> bool:
+    version = megatron_core_version()
+    return version is not None and version < (0, 13)
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuPatch:
+    name: str
+    targets: tuple[str, ...]  # modules the patch changes, fully qualified
+    why: str
+    apply: Callable[[types.ModuleType], None]  # called with each target module after its code ran
+    needed: Callable[[], bool] = lambda: True  # e.g. only for some megatron-core versions
+
+
+_SCHEDULES, _P2P = _MC + "pipeline_parallel.schedules", _MC + "pipeline_parallel.p2p_communication"
+_DDP, _BUFFER = _MC + "distributed.distributed_data_parallel", _MC + "distributed.param_and_grad_buffer"
+_OPTIMIZER, _DISTRIB = _MC + "optimizer.optimizer", _MC + "optimizer.distrib_optimizer"
+_CLIP, _SCALER = _MC + "optimizer.clip_grads", _MC + "optimizer.grad_scaler"
+_RANDOM, _UTILS = _MC + "tensor_parallel.random", _MC + "utils"
+_TP_LAYERS, _TP_MAPPINGS, _TP_UTILS = (_MC + "tensor_parallel." + m for m in ("layers", "mappings", "utils"))
+_CKPT_SAVER, _CKPT_WRITER = (_MC + "dist_checkpointing.strategies." + m
+                              for m in ("state_dict_saver", "filesystem_async"))
+
+CPU_PATCHES = (
+    CpuPatch(
+        "cuda_device_string",
+        (_SCHEDULES, _OPTIMIZER, _CLIP, _SCALER, _UTILS),
+        "tensors are created with device='cuda' (token counts, grad norms, found-inf flags, "
+        "loss scale); the constant 'cuda' becomes 'cpu' in these modules' code",
+        _constant_swapper({"cuda": "cpu"}),
+    ),
+    CpuPatch(
+        "cuda_tensor_type",
+        (_OPTIMIZER, _DISTRIB, _CLIP),
+        "optimizer and grad clipping assert param.type() == 'torch.cuda.FloatTensor' (and pick "
+        "fp16/bf16 params by 'torch.cuda.HalfTensor'/'torch.cuda.BFloat16Tensor'); these "
+        "modules compare with the CPU type names instead",
+        _constant_swapper({f"torch.cuda.{t}Tensor": f"torch.{t}Tensor"
+                           for t in ("Float", "Half", "BFloat16")}),
+    ),
+    CpuPatch(
+        "torch_cuda_calls",
+        (_P2P, _DDP, _BUFFER, _DISTRIB, _RANDOM, _UTILS, _TP_LAYERS, _TP_MAPPINGS, _TP_UTILS, _CKPT_SAVER,
+         _CKPT_WRITER),
+        "torch.cuda.current_device() as a device argument, torch.cuda.synchronize(), "
+        "torch.cuda.get_rng_state()/manual_seed() raise without a GPU; in these modules "
+        "they mean the CPU, its no-op sync and its RNG",
+        _bind_torch_on_cpu,
+    ),
+    CpuPatch(
+        "cuda_rng_state",
+        (_RANDOM,),
+        "the RNG tracker (model_parallel_cuda_manual_seed, get_cuda_rng_tracker().fork(), "
+        "activation checkpointing) saves and restores the CUDA generator through "
+        "_get_cuda_rng_state/_set_cuda_rng_state; on CPU they use the CPU generator",
+        _rng_on_cpu,
+    ),
+    CpuPatch(
+        "tensor_cuda_noop",
+        ("torch",),
+        "megatron-core 0.12.x calls Tensor.cuda() where 0.16 passes device='cuda'; "
+        "it returns the tensor itself (global: a method cannot be scoped to a module)",
+        _tensor_cuda_noop,
+        needed=_megatron_before_0_13,
+    ),
+)
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Executes a module with its own loader, then applies the patches registered for it."""
+
+    def __init__(self, loader, patches):
+        self._loader, self._patches = loader, patches
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        for patch in self._patches:
+            _apply(patch, module)
+
+    def __getattr__(self, name):  # get_source, get_code, is_package... for inspect and pkgutil
+        return getattr(self._loader, name)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches the target modules each time they are executed (import, reload).
+
+    Targets are plain files, as megatron-core installs them, so the stock PathFinder finds them.
+    """
+
+    def __init__(self):
+        self.patches: dict[str, list[CpuPatch]] = {}  # module name -> patches, in declaration order
+
+    def find_spec(self, name, path, target=None):
+        if name not in self.patches:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _PatchingLoader(spec.loader, tuple(self.patches[name]))
+        return spec
+
+
+_HOOK = _PatchOnImport()
+_APPLIED: set[tuple[str, str]] = set()  # (patch name, module name)
+
+
+def _apply(patch: CpuPatch, module: types.ModuleType):
+    patch.apply(module)
+    _APPLIED.add((patch.name, module.__name__))
+
+
+def arm_patches(patches) -> tuple[str, ...]:
+    """Register `patches` (idempotent): targets already imported are patched now, the others
+    when they are imported. Returns the patches' names."""
+    for patch in patches:
+        for target in patch.targets:
+            registered = _HOOK.patches.setdefault(target, [])
+            if patch not in registered:
+                registered.append(patch)
+                if target in sys.modules:
+                    _apply(patch, sys.modules[target])
+    if _HOOK not in sys.meta_path:
+        sys.meta_path.insert(0, _HOOK)
+    return tuple(p.name for p in patches)
+
+
+def apply_cpu_patches() -> tuple[str, ...]:
+    """Arm the CPU patch set (the patches this megatron-core needs); returns their names."""
+    return arm_patches(tuple(p for p in CPU_PATCHES if p.needed()))
+
+
+def applied_targets(name: str) -> tuple[str, ...]:
+    """Modules that patch `name` has been applied to so far."""
+    return tuple(sorted(m for p, m in _APPLIED if p == name))
