@@ -3,7 +3,7 @@
     <save>/iter_0000100/mp_rank_XX[_YYY]/model_optim_rng.pt
         {model | model0, model1..., optimizer, opt_param_scheduler, rng_state, iteration,
          consumed_prompts, checkpoint_version}
-    <save>/iter_0000100/mp_rank_XX[_YYY]/distrib_optim.pt     (--use-distributed-optimizer)
+    <save>/iter_0000100/mp_rank_XX[_YYY]/distrib_optim_dpNNN.pt  (--use-distributed-optimizer)
     <save>/latest_checkpointed_iteration.txt                  written last, atomically
 
 The data-parallel (and context-parallel) rank 0 of every TP x PP position writes its shard;
@@ -22,9 +22,6 @@ from mm_grpo.checkpoint.paths import RELEASE, SHARD_FILE, iteration_dir, model_k
 from mm_grpo.checkpoint.shard_io import ShardReader
 from mm_grpo.checkpoint.writer import CheckpointWriter
 
-DISTRIB_OPTIM_FILE = "distrib_optim.pt"
-
-
 def _rng_state():
     state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
              "python_version": random.getstate()[0], "python_gauss": random.getstate()[2]}
@@ -40,6 +37,19 @@ def _set_rng_state(state):
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _distributed(optimizer):
+    return getattr(optimizer.config, "use_distributed_optimizer", False)
+
+
+def _distrib_optim_file(shard_dir):
+    """This data-parallel rank's part of the distributed optimizer's state.
+
+    megatron-core 0.16.1's `save_parameter_state` / `load_parameter_state` (gather to DP
+    rank 0 and scatter back) fail with the torch AdamW it falls back to without Apex or
+    Transformer Engine, so each DP rank saves its own shard: resuming needs the same DP size."""
+    return os.path.join(shard_dir, f"distrib_optim_dp{parallel_state.get_data_parallel_rank():03d}.pt")
+
+
 def _writes_shard():
     return (parallel_state.get_data_parallel_rank() == 0
             and parallel_state.get_context_parallel_rank() == 0)
@@ -51,9 +61,9 @@ def save_checkpoint(root, iteration, model_chunks, optimizer, scheduler, meta: C
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     shard_dir = os.path.dirname(writer.shard_path(tp_rank, pp_rank))
-    if getattr(optimizer.config, "use_distributed_optimizer", False):
-        os.makedirs(shard_dir, exist_ok=True)  # the parameter state is gathered to DP rank 0
-        optimizer.save_parameter_state(os.path.join(shard_dir, DISTRIB_OPTIM_FILE))
+    if _distributed(optimizer):  # every DP rank keeps its own shard of Adam's state
+        os.makedirs(shard_dir, exist_ok=True)
+        torch.save(optimizer.optimizer.state_dict(), _distrib_optim_file(shard_dir))
     if _writes_shard():
         tree = {model_key(v, len(model_chunks)): _unwrap(c).state_dict() for v, c in enumerate(model_chunks)}
         tree.update(optimizer=optimizer.state_dict(), opt_param_scheduler=scheduler.state_dict(),
@@ -92,8 +102,12 @@ def load_checkpoint(path, model_chunks, optimizer=None, scheduler=None, load_opt
         reader.close()
     if load_optim and optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
-        if getattr(optimizer.config, "use_distributed_optimizer", False):
-            optimizer.load_parameter_state(os.path.join(shard, DISTRIB_OPTIM_FILE))
+        if _distributed(optimizer):
+            path = _distrib_optim_file(shard)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{path} missing: the checkpoint was saved with another data-parallel "
+                                        "size or without --use-distributed-optimizer (use --no-load-optim)")
+            optimizer.optimizer.load_state_dict(torch.load(path, weights_only=True))
         scheduler.load_state_dict(state["opt_param_scheduler"])
     if load_rng:
         _set_rng_state(state["rng_state"])

@@ -53,3 +53,24 @@ def grpo_pp2():
 @check(2)
 def grpo_dp2():
     return _run_layout("dp2")
+
+
+@check(2)
+def grpo_distributed_optimizer_resume():
+    """DP2 with the distributed optimizer: 2 iterations, save, resume for 2 == 4 straight."""
+    out = os.environ["MM_GRPO_TEST_OUT"]
+    cfg = os.path.join(out, "cfg_resume")
+    if dist.get_rank() == 0:
+        write_configs(cfg, os.environ["MM_GRPO_TEST_PIPELINE"])
+    dist.barrier()
+    argv = lambda iters, *extra: grpo_argv(os.path.join(cfg, "model.json"), os.path.join(cfg, "data.json"),  # noqa
+                                           iters=iters, extra=["--use-distributed-optimizer", *extra])
+    full, run_full = run_grpo(argv(4))
+    weights_full = gather_hf_state_dict(run_full.policy)
+    ckpt = os.path.join(out, "ckpt_distopt")
+    first, _ = run_grpo(argv(2, "--save", ckpt))
+    second, run_resumed = run_grpo(argv(4, "--load", ckpt))
+    weights = gather_hf_state_dict(run_resumed.policy)
+    return {"rewards_equal": [h["reward/mean"] for h in first + second] == [h["reward/mean"] for h in full],
+            "max_weight_diff": max((weights[n] - w).abs().max().item() for n, w in weights_full.items()),
+            "start_iteration": run_resumed.start_iteration}

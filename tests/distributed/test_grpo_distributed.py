@@ -37,3 +37,10 @@ def test_two_grpo_iterations_match_single_process(torchrun, grpo_out_dir, single
     assert errs[worst] <= TOL, worst
     # The run really trained: the weights moved away from the start.
     assert result["history"][1]["grad_norm"] > 0
+
+
+def test_distributed_optimizer_resumes_exactly(torchrun):
+    m = check_result(torchrun(2), "grpo_distributed_optimizer_resume")
+    assert m["start_iteration"] == 2
+    assert m["rewards_equal"]
+    assert m["max_weight_diff"] == 0.0
