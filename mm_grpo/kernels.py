@@ -1,18 +1,25 @@
 """The one place where attention, RMSNorm and RoPE pick their kernels.
 
-The torch versions reproduce diffusers' FLUX semantics exactly (they are what the
-parity tests check). On Ascend, `torch_npu`'s fused kernels replace them when the
-platform is NPU; `select_kernels` makes the choice once and can be called again in
-tests to check the selection logic without an NPU.
+The torch versions compute diffusers' FLUX semantics (the parity tests check them to
+1e-5). On Ascend, `torch_npu`'s fused kernels (`npu_fusion_attention`, `npu_rms_norm`,
+`npu_rotary_mul`) replace them. The choice is made on first use from the platform
+(`mm_grpo.get_platform()`): NPU kernels when the platform is NPU and torch_npu imports,
+torch otherwise; `MM_GRPO_FUSED_KERNELS=0` keeps the torch versions everywhere.
+`select_kernels` makes an explicit choice (tests use it to check the selection without an NPU).
+
+RoPE is applied through a table prepared once per forward (`rope_table`), in the form the
+selected kernel wants: complex rotations for torch, cos/sin for torch_npu.
 """
+import importlib
 import math
+import os
 import types
 
 import torch
 import torch.nn.functional as F
 
 
-# --- torch reference implementations ------------------------------------------------
+# --- torch implementations ------------------------------------------------------------
 def attention_torch(q, k, v, key_mask=None):
     """Softmax attention, [B, H, S, d] in and out.
 
@@ -23,20 +30,36 @@ def attention_torch(q, k, v, key_mask=None):
 
 
 def rms_norm_torch(x, weight, eps):
-    """diffusers' RMSNorm: statistics in fp32; cast to the weight dtype only if it is half."""
-    x = x * torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
+    """diffusers' RMSNorm: statistics in fp32; cast to the weight dtype only if it is half.
+
+    The mean square comes from one norm reduction (instead of pow, then mean): one pass
+    over x fewer, the same value to rounding."""
+    x32 = x.to(torch.float32)
+    mean_square = torch.linalg.vector_norm(x32, dim=-1, keepdim=True).square() / x.shape[-1]
+    x = x * torch.rsqrt(mean_square + eps)
     if weight.dtype in (torch.float16, torch.bfloat16):
         x = x.to(weight.dtype)
     return x * weight
 
 
-def rope_torch(x, cos, sin):
-    """Rotate adjacent channel pairs (FLUX / diffusers `use_real_unbind_dim=-1`), in fp32.
+def rope_table_torch(cos, sin):
+    """cos, sin [S, d] (FLUX's repeat-interleaved tables, fp32) -> complex rotations [S, 1, 1, d/2]."""
+    return torch.complex(cos[:, 0::2], sin[:, 0::2])[:, None, None, :]
 
-    x: [..., S, H, d] with cos/sin broadcastable to it (fp32)."""
-    x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
-    x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(-2)
-    return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
+
+def rope_torch(x, table):
+    """Rotate adjacent channel pairs of x [S, B, H, d] (diffusers `use_real_unbind_dim=-1`), in fp32.
+
+    The pair (x_2j, x_2j+1) is the complex number x_2j + i x_2j+1 and the rotation one
+    complex multiply: one pass over x, where the real form takes about ten."""
+    x32 = x.to(torch.float32).contiguous()
+    rotated = torch.view_as_complex(x32.unflatten(-1, (-1, 2))) * table
+    return torch.view_as_real(rotated).flatten(-2).to(x.dtype)
+
+
+TORCH_KERNELS = types.SimpleNamespace(
+    name="torch", attention=attention_torch, rms_norm=rms_norm_torch, rope_table=rope_table_torch,
+    rope=rope_torch)
 
 
 # --- NPU fused kernels (torch_npu) ---------------------------------------------------
@@ -54,18 +77,19 @@ def _npu_kernels(torch_npu):
             x = x.to(weight.dtype)
         return torch_npu.npu_rms_norm(x, weight, epsilon=eps)[0]
 
-    def rope(x, cos, sin):
+    def rope_table(cos, sin):
+        return cos[:, None, None, :], sin[:, None, None, :]
+
+    def rope(x, table):
         # npu_rotary_mul with rotary_mode="interleave" rotates adjacent pairs, like FLUX.
-        out = torch_npu.npu_rotary_mul(x.float(), cos, sin, rotary_mode="interleave")
-        return out.to(x.dtype)
+        cos, sin = table
+        return torch_npu.npu_rotary_mul(x.float(), cos, sin, rotary_mode="interleave").to(x.dtype)
 
-    return types.SimpleNamespace(name="npu", attention=attention, rms_norm=rms_norm, rope=rope)
+    return types.SimpleNamespace(name="npu", attention=attention, rms_norm=rms_norm, rope_table=rope_table,
+                                 rope=rope)
 
 
-TORCH_KERNELS = types.SimpleNamespace(
-    name="torch", attention=attention_torch, rms_norm=rms_norm_torch, rope=rope_torch)
-
-_selected = TORCH_KERNELS
+_selected = None  # chosen on first use (see `current`)
 
 
 def select_kernels(platform_name: str, torch_npu_module=None, enabled: bool = True):
@@ -78,13 +102,33 @@ def select_kernels(platform_name: str, torch_npu_module=None, enabled: bool = Tr
     return _selected
 
 
+def select_for_platform():
+    """The choice for this process's platform: fused NPU kernels on NPU unless
+    MM_GRPO_FUSED_KERNELS=0, torch kernels everywhere else."""
+    from mm_grpo import get_platform
+    name = get_platform().name
+    enabled = os.environ.get("MM_GRPO_FUSED_KERNELS", "1") != "0"
+    torch_npu = importlib.import_module("torch_npu") if name == "npu" and enabled else None
+    return select_kernels(name, torch_npu, enabled)
+
+
+def current():
+    return _selected if _selected is not None else select_for_platform()
+
+
 def attention(q, k, v, key_mask=None):
-    return _selected.attention(q, k, v, key_mask)
+    return current().attention(q, k, v, key_mask)
 
 
 def rms_norm(x, weight, eps):
-    return _selected.rms_norm(x, weight, eps)
+    return current().rms_norm(x, weight, eps)
 
 
-def rope(x, cos, sin):
-    return _selected.rope(x, cos, sin)
+def rope_table(cos, sin):
+    """cos, sin [S, d] fp32 -> the table `rope` takes (prepare once per forward)."""
+    return current().rope_table(cos, sin)
+
+
+def rope(x, table):
+    """x [S, B, H, d] rotated by a `rope_table` of the same S."""
+    return current().rope(x, table)

@@ -38,6 +38,7 @@ class GRPOSettings:
     timestep_fraction: float = 0.6
     window_size: int = 3
     window_shift_every: int = 25
+    ode_reuse: int = 1  # rollout: model evaluated every k-th ODE step outside the SDE window
     clip_range: float = 1e-4
     adv_clip_max: float = 5.0
     global_std: bool = False
@@ -54,6 +55,8 @@ class GRPOSettings:
             raise ValueError(
                 f"global batch size {n} must split into --updates-per-rollout {self.updates_per_rollout} "
                 f"parts, each divisible by data-parallel size {dp_size} x micro-batch size {self.micro_batch_size}")
+        if self.ode_reuse < 1:
+            raise ValueError(f"--ode-reuse must be >= 1, got {self.ode_reuse}")
         if self.sampler == "ode":
             raise ValueError("the ode sampler has no log-probabilities: choose an SDE sampler to train")
 
@@ -68,6 +71,27 @@ def _generator(*keys):
     for k in keys:
         seed = (seed * 1_000_003 + int(k)) % (2**63 - 1)
     return torch.Generator().manual_seed(seed)
+
+
+def draw_noise(s: GRPOSettings, iteration: int, samples: range, tokens: int, channels: int):
+    """Initial noise [B, S, C] and step noise [B, N, S, C] of global samples `samples` (CPU)."""
+    init, steps = [], []
+    for i in samples:
+        key = i // s.num_generations if s.init_same_noise else i
+        init.append(torch.randn(tokens, channels, generator=_generator(s.seed, iteration, 0, key)))
+        steps.append(torch.randn(s.num_inference_steps, tokens, channels, generator=_generator(s.seed, iteration, 1, i)))
+    return torch.stack(init), torch.stack(steps)
+
+
+def draw_trained_steps(s: GRPOSettings, iteration: int, samples: range, window=None) -> torch.Tensor:
+    """[B, K] indices of the transitions trained for each of `samples`."""
+    n, sel = s.num_inference_steps, s.timestep_selection
+    if sel == "window":
+        return window_timesteps(len(samples), window, n)
+    if sel == "ordered":
+        return flow_grpo_timesteps(len(samples), n, s.timestep_fraction)
+    return torch.cat([dance_grpo_timesteps(1, n, s.timestep_fraction, generator=_generator(s.seed, iteration, 2, i))
+                      for i in samples])
 
 
 class GRPOSchedule:
@@ -103,7 +127,11 @@ class GRPOSchedule:
         return range(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
 
     def conditioning(self, prompts: List[str]):
-        embeds, pooled, txt_ids = self.conditioner(prompts)
+        # A prompt appears G times in a batch: encode (or look up) each one once.
+        unique = list(dict.fromkeys(prompts))
+        embeds, pooled, txt_ids = self.conditioner(unique)
+        rows = torch.tensor([unique.index(p) for p in prompts], device=embeds.device)
+        embeds, pooled = embeds[rows], pooled[rows]
         from mm_grpo.pipeline.latents import prepare_latent_image_ids
         img_ids = prepare_latent_image_ids(*self.grid, device=self.device, dtype=txt_ids.dtype)
         guidance = torch.full((len(prompts),), self.s.guidance_scale, device=self.device)
@@ -112,13 +140,8 @@ class GRPOSchedule:
 
     def noise(self, iteration: int, samples: range, channels: int):
         """Initial noise [B, S, C] and step noise [B, N, S, C], per global sample index."""
-        tokens, n = self.grid[0] * self.grid[1], self.s.num_inference_steps
-        init, steps = [], []
-        for s in samples:
-            key = s // self.s.num_generations if self.s.init_same_noise else s
-            init.append(torch.randn(tokens, channels, generator=_generator(self.s.seed, iteration, 0, key)))
-            steps.append(torch.randn(n, tokens, channels, generator=_generator(self.s.seed, iteration, 1, s)))
-        return torch.stack(init).to(self.device), torch.stack(steps).to(self.device)
+        init, steps = draw_noise(self.s, iteration, samples, self.grid[0] * self.grid[1], channels)
+        return init.to(self.device), steps.to(self.device)
 
     def sde_window(self, iteration: int):
         if self.s.timestep_selection != "window":
@@ -127,21 +150,15 @@ class GRPOSchedule:
 
     def trained_steps(self, iteration: int, samples: range) -> torch.Tensor:
         """[B, K] indices of the transitions trained for each sample."""
-        n, sel = self.s.num_inference_steps, self.s.timestep_selection
-        if sel == "window":
-            return window_timesteps(len(samples), self.sde_window(iteration), n)
-        if sel == "ordered":
-            return flow_grpo_timesteps(len(samples), n, self.s.timestep_fraction)
-        return torch.cat([dance_grpo_timesteps(1, n, self.s.timestep_fraction,
-                                               generator=_generator(self.s.seed, iteration, 2, s))
-                          for s in samples])
+        return draw_trained_steps(self.s, iteration, samples, self.sde_window(iteration))
 
     # --- the four phases ------------------------------------------------------------
     @torch.no_grad()
     def sample(self, iteration: int, prompts: List[str], samples: range, cond: dict, window=None):
         x0, step_noise = self.noise(iteration, samples, self.policy_modules[0].flux_config.in_channels)
         velocity = make_velocity_fn(self.policy_modules, cond, self.s.micro_batch_size)
-        return rollout(velocity, x0, self.sigmas, self.sampler, sde_window=window, noise=step_noise)
+        return rollout(velocity, x0, self.sigmas, self.sampler, sde_window=window, noise=step_noise,
+                       ode_reuse=self.s.ode_reuse)
 
     def score(self, x0_hat, prompts):
         images = self.decoder(x0_hat, self.s.height, self.s.width)
@@ -215,8 +232,10 @@ class GRPOSchedule:
         return bool(flag.item())
 
     # --- one iteration ----------------------------------------------------------------
-    def iteration(self, iteration: int, prompts: List[str]) -> dict:
-        """prompts: this iteration's prompts (the same list on every rank)."""
+    def prepare(self, iteration: int, prompts: List[str]):
+        """Rollout, reward and advantages: (micro-batches of each optimizer update, stats).
+
+        The micro-batches are None when the iteration is skipped (non-finite rewards)."""
         if len(prompts) != self.s.prompts_per_iteration:
             raise ValueError(f"expected {self.s.prompts_per_iteration} prompts, got {len(prompts)}")
         t0 = time.time()
@@ -234,19 +253,30 @@ class GRPOSchedule:
             adv = group_advantages(rewards, groups, clip_max=self.s.adv_clip_max, global_std=self.s.global_std,
                                    process_group=self.dp_group if self.dp_size > 1 else None)
         except NonFiniteRewardError as e:
-            return dict(stats, skipped=1.0, skip_reason=str(e), time_rollout=t1 - t0, time_reward=time.time() - t1)
+            return None, dict(stats, skipped=1.0, skip_reason=str(e), time_rollout=t1 - t0,
+                              time_reward=time.time() - t1)
         stats.update({"adv/mean": self._dp_mean(adv.mean()), "adv/abs_max": self._dp_max(adv.abs().max())})
-        t2 = time.time()
         steps = self.trained_steps(iteration, samples)
         parts = torch.arange(len(samples)).chunk(self.s.updates_per_rollout)
-        updates = [self.update(self.micro_batches(traj, cond, adv, steps, part.tolist())) for part in parts]
-        for key in dict.fromkeys(k for u in updates for k in u):
-            values = [u[key] for u in updates if key in u]
+        updates = [self.micro_batches(traj, cond, adv, steps, part.tolist()) for part in parts]
+        stats.update(time_rollout=t1 - t0, time_reward=time.time() - t1)
+        return updates, stats
+
+    def iteration(self, iteration: int, prompts: List[str]) -> dict:
+        """prompts: this iteration's prompts (the same list on every rank)."""
+        t0 = time.time()
+        updates, stats = self.prepare(iteration, prompts)
+        if updates is None:
+            return stats
+        t2 = time.time()
+        results = [self.update(micro_batches) for micro_batches in updates]
+        for key in dict.fromkeys(k for u in results for k in u):
+            values = [u[key] for u in results if key in u]
             first_only = key.startswith("ratio_first") or key == "skip_reason"
             stats[key] = values[0] if first_only else sum(values) / len(values)
         t3 = time.time()
-        stats.update(time_rollout=t1 - t0, time_reward=t2 - t1, time_train=t3 - t2,
-                     samples_per_second=self.s.global_batch_size / (t3 - t0), lr=self.optimizer.param_groups[0]["lr"])
+        stats.update(time_train=t3 - t2, samples_per_second=self.s.global_batch_size / (t3 - t0),
+                     lr=self.optimizer.param_groups[0]["lr"])
         return stats
 
     # --- reductions over data-parallel ranks -----------------------------------------

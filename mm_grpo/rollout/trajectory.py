@@ -108,6 +108,7 @@ def rollout(
     sde_window: Optional[Sequence[int]] = None,
     generator: Optional[torch.Generator] = None,
     noise: Optional[torch.Tensor] = None,
+    ode_reuse: int = 1,
 ) -> Trajectory:
     """Samples the whole batch from sigmas[0] to sigmas[-1].
 
@@ -115,6 +116,9 @@ def rollout(
     Steps inside sde_window = (start, end) use `sampler`; the others are ODE (MixGRPO).
     Step noise comes from `noise` [B, N, ...] if given, else from `generator`; it is drawn
     for every step, ODE ones included, so the noise of step i does not depend on the window.
+    ode_reuse = k > 1 evaluates the model at every k-th step of each run of ODE steps and
+    reuses the last velocity in between (the coarsest DiT cache). Steps inside the window
+    always get a fresh velocity, so their latents and log-probs are what training recomputes.
     """
     step_fn = get_sampler(sampler) if isinstance(sampler, str) else sampler
     if sigmas.ndim != 1 or sigmas.numel() < 2:
@@ -128,14 +132,19 @@ def rollout(
         raise ValueError(
             f"noise must have shape {(batch, num_steps, *latents.shape[1:])} [B, N, ...], got {tuple(noise.shape)}"
         )
+    if ode_reuse < 1:
+        raise ValueError(f"ode_reuse must be >= 1 (1 = a model evaluation at every step), got {ode_reuse}")
     draw_device = generator.device if generator is not None else latents.device
 
     x = latents
     states = [x]
     log_probs = torch.full((batch, num_steps), float("nan"), device=x.device)
     is_sde = torch.zeros(num_steps, dtype=torch.bool, device=x.device)
+    ode_run = 0  # position in the current run of ODE steps
     for i in range(num_steps):
-        v = velocity_fn(x, sigmas[i].repeat(batch))
+        ode_run = ode_run + 1 if not start <= i < end else 0
+        if ode_run == 0 or (ode_run - 1) % ode_reuse == 0:
+            v = velocity_fn(x, sigmas[i].repeat(batch))
         if noise is not None:
             eps = noise[:, i]
         else:

@@ -4,6 +4,10 @@
         --mm-model model.json --mm-data data.json --train-iters 100 ... (see arguments.py)
 
 Everything that can be wrong with the configuration is checked before the first rollout.
+With held-out prompts (`eval_prompt_file` in data.json) and `--eval-interval`, the policy is
+evaluated (ODE sampling from fixed noise) before the first iteration, every interval and at
+the end; the run folder (`--tensorboard-dir`, else `--save`) then gets `reward_curve.png` and
+`before_after.png`.
 """
 import os
 import sys
@@ -14,19 +18,17 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from mm_grpo import get_platform
-from mm_grpo.checkpoint.metadata import CheckpointMeta
-from mm_grpo.checkpoint.paths import is_megatron_checkpoint
 from mm_grpo.grpo.schedule import GRPOSchedule, GRPOSettings
 from mm_grpo.models.registry import flux_config_from_block, load_pretrained
-from mm_grpo.parallel import ParallelConfig, initialize_parallel
-from mm_grpo.parallel.pipeline import build_model_chunks, resolve_pp_layers
+from mm_grpo.parallel import initialize_parallel
+from mm_grpo.parallel.pipeline import build_model_chunks
 from mm_grpo.rewards.combined import CombinedReward
-from mm_grpo.rollout import rollout
 from mm_grpo.training import components
 from mm_grpo.training.arguments import parse_args
 from mm_grpo.training.checkpointing import load_checkpoint, save_checkpoint
-from mm_grpo.training.logging_utils import TrainLogger
-from mm_grpo.training.optim import build_optimizer, build_scheduler, wrap_ddp
+from mm_grpo.training.evaluation import Evaluator
+from mm_grpo.training.logging_utils import TrainLogger, is_logging_rank
+from mm_grpo.training.trainable import build_trainable, parallel_config
 
 
 class GRPORun:
@@ -53,9 +55,7 @@ class GRPORun:
             raise ValueError(f"image size {height}x{width} must be a multiple of 16 (VAE 8 x packing 2)")
         self.reward = CombinedReward.from_configs(components.block(self.model_cfg, "reward", "--mm-model"),
                                                   device=self.device)
-        parallel = ParallelConfig(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                                  cp=args.context_parallel_size, cp_algo=args.context_parallel_algo,
-                                  vpp=self._vpp(predictor))
+        parallel = parallel_config(args, predictor)
         initialize_parallel(parallel, seed=args.seed)
         self.settings = GRPOSettings(
             global_batch_size=args.global_batch_size or args.num_generations,
@@ -69,26 +69,16 @@ class GRPORun:
             kl_beta=args.kl_beta, updates_per_rollout=args.updates_per_rollout, seed=args.seed)
         self.settings.check(parallel_state.get_data_parallel_world_size())
         # The policy.
-        self.pp_layers = resolve_pp_layers(predictor.get("pipeline_num_layers"), self.flux_config.num_blocks,
-                                           parallel.pp, parallel.vpp or 1)
-        resume = bool(args.load) and self._is_training_checkpoint(args.load)
-        initial = predictor.get("from_pretrained") if resume or not args.load else args.load
-        if initial is None and not resume:
-            raise ValueError("no starting weights: give --load or predictor.from_pretrained in --mm-model")
-        chunks = build_model_chunks(self.flux_config, self.pp_layers)
-        if not resume:  # a resumed run takes its weights from the training checkpoint below
-            load_pretrained(chunks, initial)
+        trainable = build_trainable(args, self.flux_config, predictor, parallel)
+        self.policy, self.optimizer, self.scheduler = trainable.chunks, trainable.optimizer, trainable.scheduler
+        self.meta, self.pp_layers = trainable.meta, trainable.pp_layers
         self.ref_policy = None
         if args.kl_beta > 0:  # the frozen reference is the starting policy
-            if initial is None:
+            if trainable.initial is None:
                 raise ValueError("--kl-beta > 0 needs the starting weights: predictor.from_pretrained in --mm-model")
-            self.ref_policy = load_pretrained(build_model_chunks(self.flux_config, self.pp_layers), initial)
+            self.ref_policy = load_pretrained(build_model_chunks(self.flux_config, self.pp_layers), trainable.initial)
             for chunk in self.ref_policy:
                 chunk.requires_grad_(False)
-        self.policy = wrap_ddp(chunks, args.use_distributed_optimizer)
-        self.optimizer = build_optimizer(self.policy, args)
-        self.scheduler = build_scheduler(self.optimizer, args)
-        self.meta = CheckpointMeta(self.flux_config, tp_size=parallel.tp, pp_layers=self._meta_pp_layers())
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         text = components.block(self.model_cfg, "text_encoder", "--mm-model")
         self.schedule = GRPOSchedule(
@@ -96,52 +86,50 @@ class GRPORun:
             conditioner=components.conditioner(text, self.device, dtype),
             decoder=components.decoder(components.block(self.model_cfg, "ae", "--mm-model"), self.device, dtype),
             reward=self.reward, ref_policy=self.ref_policy, device=self.device)
+        self.evaluator = self._evaluator(height, width)
+        self.evaluations = {}  # iteration -> held-out stats
         self.start_iteration = 0
-        if resume:
+        if trainable.resume:
             self.start_iteration, extra = load_checkpoint(
                 args.load, self.policy, self.optimizer, self.scheduler,
                 load_optim=not args.no_load_optim, load_rng=not args.no_load_rng)
             self.prompts.load_state_dict({"consumed": extra.get("consumed_prompts", 0)})
 
-    def _vpp(self, predictor):
-        layers = predictor.get("pipeline_num_layers")
-        if layers and all(isinstance(x, (list, tuple)) for x in layers) and len(layers) > 1:
-            return len(layers)
-        return None
-
-    def _meta_pp_layers(self):
-        return self.pp_layers[0] if len(self.pp_layers) == 1 else self.pp_layers
-
-    @staticmethod
-    def _is_training_checkpoint(path):
-        from mm_grpo.checkpoint.paths import RELEASE, iteration_dir
-        return is_megatron_checkpoint(path) and os.path.basename(iteration_dir(path)) != RELEASE
+    def _evaluator(self, height, width):
+        """Held-out prompts x `eval_samples_per_prompt` (data.json, default 1) from fixed noise
+        (`eval_seed`, default 0: the same for runs with different --seed)."""
+        if not self.eval_prompts:
+            return None
+        s, params = self.schedule, self.data_cfg["dataset_param"]
+        return Evaluator(self.eval_prompts[:self.args.eval_prompts], s.conditioner, s.decoder, s.reward, s.sigmas,
+                         height, width, self.flux_config.in_channels, self.settings.guidance_scale,
+                         params.get("eval_samples_per_prompt", 1), seed=params.get("eval_seed", 0), device=self.device)
 
     # --- the loop -----------------------------------------------------------------------
     def train(self):
         args, logger = self.args, None
         logger = TrainLogger(args.tensorboard_dir, args.train_iters, self.start_iteration,
                              progress_bar=not args.no_progress_bar, log_interval=args.log_interval)
-        history = []
+        history, first, last = [], None, None
         try:
+            if self.evaluator and args.eval_interval and self.start_iteration < args.train_iters:
+                first = self.evaluate(self.start_iteration, logger)  # before training
             for it in range(self.start_iteration, args.train_iters):
                 prompts = self.prompts.next_batch(self.settings.prompts_per_iteration)
                 stats = self.schedule.iteration(it, prompts)
                 history.append(stats)
                 logger.log(it + 1, stats)
                 done = it + 1
-                eval_due = bool(args.eval_interval) and done % args.eval_interval == 0
+                eval_due = bool(args.eval_interval) and (done % args.eval_interval == 0 or done == args.train_iters)
                 image_due = bool(args.save_image_interval) and done % args.save_image_interval == 0
-                if (eval_due or image_due) and self.eval_prompts:
-                    eval_stats, images = self.evaluate()
-                    if eval_due:
-                        logger.log(done, eval_stats)
-                    if image_due and self.image_dir:
-                        logger.image_grid(done, images, os.path.join(self.image_dir, f"eval_{done:06d}.png"))
+                if (eval_due or image_due) and self.evaluator:
+                    last = self.evaluate(done, logger if eval_due else None, save_images=image_due)
                 if args.save and args.save_interval and done % args.save_interval == 0:
                     self.save(done)
             if args.save and (not args.save_interval or args.train_iters % args.save_interval):
                 self.save(args.train_iters)
+            if first is not None and last is not None and is_logging_rank() and self.run_dir:
+                self.write_figures(history, first, last)
         finally:
             logger.close()
         return history
@@ -151,22 +139,38 @@ class GRPORun:
                         {"consumed_prompts": self.prompts.consumed, "iteration": iteration})
 
     @property
-    def image_dir(self):
-        root = self.args.tensorboard_dir or self.args.save
-        return os.path.join(root, "samples") if root else None
+    def run_dir(self):
+        return self.args.tensorboard_dir or self.args.save
 
-    @torch.no_grad()
-    def evaluate(self):
-        """Deterministic ODE sampling of held-out prompts with fixed seeds: (stats, images)."""
-        from mm_grpo.parallel.pipeline import make_velocity_fn
-        s = self.schedule
-        prompts = self.eval_prompts[:self.args.eval_prompts]
-        cond = s.conditioning(prompts)
-        x0, _ = s.noise(-1, range(len(prompts)), self.flux_config.in_channels)  # the same noise every time
-        traj = rollout(make_velocity_fn(s.policy_modules, cond, 1), x0, s.sigmas, "ode")
-        images, total, per_reward = s.score(traj.x0_hat, prompts)
-        return ({"eval/reward_mean": total.mean().item(),
-                 **{f"eval/{k}": v.mean().item() for k, v in per_reward.items()}}, images)
+    @property
+    def image_dir(self):
+        return os.path.join(self.run_dir, "samples") if self.run_dir else None
+
+    def evaluate(self, iteration, logger=None, save_images=False):
+        """Held-out evaluation of the current policy (recorded in `evaluations`); the EvalResult."""
+        result = self.evaluator(self.schedule.policy_modules)
+        self.evaluations[iteration] = result.stats
+        if logger is not None:
+            logger.log(iteration, result.stats)
+            if save_images and self.image_dir:
+                logger.image_grid(iteration, result.images[:16],
+                                  os.path.join(self.image_dir, f"eval_{iteration:06d}.png"))
+        return result
+
+    def write_figures(self, history, before, after):
+        """reward_curve.png and before_after.png (the first held-out samples, framed by the
+        accuracy-like reward when there is one: the last weight-0 reward, else the total)."""
+        from mm_grpo.training import figures
+        offset = self.start_iteration
+        curve = [{}] * offset + history
+        figures.reward_curve(curve, self.evaluations, os.path.join(self.run_dir, "reward_curve.png"))
+        ok = None
+        for name, weight in self.reward.weights.items():
+            if weight == 0 and name in before.values:
+                ok = name
+        figures.before_after_grid(before.prompts, before.images, after.images,
+                                  os.path.join(self.run_dir, "before_after.png"),
+                                  before.values.get(ok), after.values.get(ok))
 
 
 def main(argv=None):
@@ -178,6 +182,13 @@ def main(argv=None):
         first, last = history[0].get("reward/mean"), history[-1].get("reward/mean")
         print(f"[mm-grpo] {len(history)} iterations in {time.time() - start:.1f}s; "
               f"mean reward first {first:.4f} -> last {last:.4f}", flush=True)
+        if len(run.evaluations) > 1:
+            its = sorted(run.evaluations)
+            before, after = run.evaluations[its[0]], run.evaluations[its[-1]]
+            n = len(run.evaluator.prompts)
+            print(f"[mm-grpo] held-out evaluation ({n} samples, ODE, fixed noise), iteration {its[0]} -> "
+                  f"{its[-1]}: " + "; ".join(f"{k[5:]} {before[k]:.4f} -> {after[k]:.4f}" for k in before),
+                  flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

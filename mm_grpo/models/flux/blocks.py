@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mm_grpo.models.flux.layers import (
-    MLP, QKV, CoreAttention, HeadRMSNorm, Modulation, apply_rope, column_linear, layer_norm,
-    modulate, row_linear, split_heads, tp_world_size)
+    MLP, QKV, CoreAttention, HeadRMSNorm, Modulation, apply_rope, column_linear, gated_residual,
+    layer_norm, modulate, row_linear, split_heads, tp_world_size)
 
 
 def _clip_fp16(x):
@@ -58,10 +58,10 @@ class DoubleStreamBlock(nn.Module):
         k = apply_rope(torch.cat([k_t, k_i]), rope)
         o = self.core_attention(q, k, torch.cat([v_t, v_i]), key_mask)
 
-        img = img + img_gate * self.img_attn.project(o[n_txt:])
-        img = img + img_gate2 * self.img_mlp(modulate(layer_norm(img, self.eps), img_shift2, img_scale2))
-        txt = txt + txt_gate * self.txt_attn.project(o[:n_txt])
-        txt = txt + txt_gate2 * self.txt_mlp(modulate(layer_norm(txt, self.eps), txt_shift2, txt_scale2))
+        img = gated_residual(img, img_gate, self.img_attn.project(o[n_txt:]))
+        img = gated_residual(img, img_gate2, self.img_mlp(modulate(layer_norm(img, self.eps), img_shift2, img_scale2)))
+        txt = gated_residual(txt, txt_gate, self.txt_attn.project(o[:n_txt]))
+        txt = gated_residual(txt, txt_gate2, self.txt_mlp(modulate(layer_norm(txt, self.eps), txt_shift2, txt_scale2)))
         return torch.cat([_clip_fp16(txt), img])
 
 
@@ -91,5 +91,5 @@ class SingleStreamBlock(nn.Module):
         q = apply_rope(self.q_norm(q), rope)
         k = apply_rope(self.k_norm(k), rope)
         o = self.core_attention(q, k, v, key_mask)
-        out, _ = self.linear_out(torch.cat([o, F.gelu(mlp, approximate="tanh")], dim=-1))
-        return _clip_fp16(x + gate * out)
+        out = self.linear_out.forward_parts([o, F.gelu(mlp, approximate="tanh")])
+        return _clip_fp16(gated_residual(x, gate, out))

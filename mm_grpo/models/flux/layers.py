@@ -18,19 +18,67 @@ def _init_normal(weight):
     return nn.init.normal_(weight, std=0.02)
 
 
+def _plain_gemm(layer, x) -> bool:
+    """megatron-core's linear is then a plain matmul + bias: one TP rank, and no autocast.
+
+    Under autocast megatron-core adds the fp32 bias to the bf16 product, which keeps the
+    residual stream in fp32 (model.py relies on it); a fused bf16 GEMM would not."""
+    return (tp_world_size() == 1 and not layer.config.sequence_parallel
+            and not torch.is_autocast_enabled(x.device.type))
+
+
+class ColumnLinear(ColumnParallelLinear):
+    """megatron-core's ColumnParallelLinear. Without TP and autocast the bias goes into the
+    GEMM (`F.linear`, i.e. addmm): megatron-core adds it in a second pass over the output,
+    which costs a quarter of the GEMM's time at D = 256 on CPU (docs/performance.md)."""
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        if weight is None and _plain_gemm(self, input_):
+            bias = None if self.skip_bias_add else self.bias
+            return F.linear(input_, self.weight, bias), (self.bias if self.skip_bias_add else None)
+        return super().forward(input_, weight, runtime_gather_output)
+
+
+class RowLinear(RowParallelLinear):
+    """megatron-core's RowParallelLinear, with the bias inside the GEMM as in `ColumnLinear`."""
+
+    def forward(self, input_):
+        if _plain_gemm(self, input_):
+            bias = None if self.skip_bias_add else self.bias
+            return F.linear(input_, self.weight, bias), (self.bias if self.skip_bias_add else None)
+        return super().forward(input_)
+
+    def forward_parts(self, parts):
+        """`self(torch.cat(parts, -1))` without materialising the concatenation: one GEMM per
+        part accumulated into the output (addmm) where `_plain_gemm` allows (else megatron-core's)."""
+        if not _plain_gemm(self, parts[0]) or self.skip_bias_add:
+            return self(torch.cat(parts, dim=-1))[0]
+        weights = self.weight.split([p.shape[-1] for p in parts], dim=1)
+        lead = parts[0].shape[:-1]
+        out = self.bias
+        for part, w in zip(parts, weights):
+            out = torch.addmm(out, part.reshape(-1, part.shape[-1]), w.t())
+        return out.view(*lead, -1)
+
+
 def column_linear(in_dim, out_dim, tconfig, gather_output=False):
-    return ColumnParallelLinear(in_dim, out_dim, config=tconfig, init_method=_init_normal,
-                                bias=True, gather_output=gather_output)
+    return ColumnLinear(in_dim, out_dim, config=tconfig, init_method=_init_normal,
+                        bias=True, gather_output=gather_output)
 
 
 def row_linear(in_dim, out_dim, tconfig):
-    return RowParallelLinear(in_dim, out_dim, config=tconfig, init_method=_init_normal,
-                             bias=True, input_is_parallel=True, skip_bias_add=False)
+    return RowLinear(in_dim, out_dim, config=tconfig, init_method=_init_normal,
+                     bias=True, input_is_parallel=True, skip_bias_add=False)
 
 
 def modulate(x, shift, scale):
-    """x * (1 + scale) + shift with per-sample [B, D] shift/scale over [S, B, D]."""
-    return x * (1 + scale) + shift
+    """x * (1 + scale) + shift with per-sample [B, D] shift/scale over [S, B, D] (one pass)."""
+    return torch.addcmul(shift, x, 1 + scale)
+
+
+def gated_residual(x, gate, y):
+    """x + gate * y with a per-sample [B, D] gate over [S, B, D] (one pass)."""
+    return torch.addcmul(x, gate, y)
 
 
 def layer_norm(x, eps):
@@ -93,9 +141,8 @@ class CoreAttention(nn.Module):
 
 
 def apply_rope(x, rope):
-    """x [S, B, H, d]; rope = (cos, sin) [S, d] fp32."""
-    cos, sin = rope
-    return kernels.rope(x, cos[:, None, None, :], sin[:, None, None, :])
+    """x [S, B, H, d]; rope: the forward's `kernels.rope_table`."""
+    return kernels.rope(x, rope)
 
 
 def split_heads(qkv, head_dim):

@@ -21,6 +21,7 @@ from megatron.core.transformer.enums import ModelType
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from mm_grpo import kernels
 from mm_grpo.models.flux.blocks import DoubleStreamBlock, SingleStreamBlock
 from mm_grpo.models.flux.config import FluxConfig
 from mm_grpo.models.flux.embeddings import TimeTextEmbedding, rope_tables
@@ -116,6 +117,7 @@ class FluxTransformer(MegatronModule):
         if post_process:
             self.final_layer = FinalLayer(config, tconfig)
         self.input_tensor = None
+        self._rope_cache = None  # (ids, (cos, sin)) of the last forward
 
     # Megatron pipeline contract: the schedule hands the previous stage's output here.
     def set_input_tensor(self, input_tensor):
@@ -128,10 +130,17 @@ class FluxTransformer(MegatronModule):
         return F.silu(self.time_text_embed(timestep, guidance, pooled_projections))
 
     def rope(self, txt_ids, img_ids):
+        """(cos, sin) [S, head_dim] fp32 of the joint sequence; the last ones are reused while
+        the ids stay the same (they do for a whole rollout and training run)."""
         txt_ids = txt_ids[0] if txt_ids.ndim == 3 else txt_ids  # diffusers' deprecated 3-D ids
         img_ids = img_ids[0] if img_ids.ndim == 3 else img_ids
         ids = torch.cat([txt_ids, img_ids])
-        return rope_tables(ids, self.flux_config.axes_dims_rope, self.flux_config.rope_theta)
+        cached = self._rope_cache
+        if cached is None or cached[0].shape != ids.shape or cached[0].device != ids.device \
+                or not torch.equal(cached[0], ids):
+            tables = rope_tables(ids, self.flux_config.axes_dims_rope, self.flux_config.rope_theta)
+            self._rope_cache = cached = (ids, tables)
+        return cached[1]
 
     def embed(self, hidden_states, encoder_hidden_states):
         """Inputs in diffusers' [B, S, C] -> the joint sequence [text ; image] as [S, B, D]."""
@@ -161,8 +170,8 @@ class FluxTransformer(MegatronModule):
                 img_ids, txt_ids, guidance=None):
         seq = SequenceShard.current(n_txt=txt_ids.shape[-2], n_img=img_ids.shape[-2])
         # fp32, outside autocast; no weights, so every stage makes its own; cut like the tokens.
-        rope = tuple(seq.joint(t) for t in self.rope(txt_ids, img_ids))
-        key_mask = seq.key_mask(rope[0].device)
+        rope = kernels.rope_table(*(seq.joint(t) for t in self.rope(txt_ids, img_ids)))
+        key_mask = seq.key_mask(img_ids.device)
         with self._autocast():
             if self.pre_process:
                 vec = self.conditioning(timestep, guidance, pooled_projections)

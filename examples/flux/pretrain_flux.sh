@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Supervised flow-matching training of FLUX (pretraining, or fine-tuning before GRPO) with mm-grpo.
+#
+#   PIPELINE_DIR=/models/FLUX.1-dev DATA_DIR=/data/my_captions NPUS_PER_NODE=8 TP=2 \
+#   bash examples/flux/pretrain_flux.sh [extra trainer args]
+#
+# Settings (environment variables; anything after the script's name goes to the trainer):
+#   PIPELINE_DIR   diffusers FLUX pipeline folder (its VAE and text encoders encode the data)
+#   DATA_DIR       image-caption folder: metadata.jsonl ({"file_name": ..., "text": ...} per line) + images
+#   MODEL_JSON DATA_JSON   configs (default: model_flow.json, data_flow.json)
+#   EVAL_PROMPT_FILE       held-out prompts, ODE-sampled every EVAL_INTERVAL iterations (optional)
+#   LOAD           a training checkpoint to resume, or a converted checkpoint to start from;
+#                  SAVE where to save (default: RUN_DIR/ckpt)
+#   TP PP CP       tensor / pipeline / context(Ulysses) parallel sizes
+#   NPUS_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT   torchrun (multi-node)
+#   GBS MBS ITERS LR WARMUP SHIFT   batch, micro-batch, iterations, learning rate, warm-up
+#                                   iterations, sigma shift (default: FLUX's resolution rule)
+#   RUN_DIR        output folder (TensorBoard logs, checkpoints, sample grids)
+set -euo pipefail
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$SCRIPT_DIR/../.." && pwd)"
+
+if [ -n "${MM_GRPO_PYTHON:-}" ]; then PY="$MM_GRPO_PYTHON"
+elif python3 -c "import mm_grpo" 2>/dev/null; then PY=python3
+else bash "$REPO/shell/setup_env.sh"; PY="${MM_GRPO_VENV:-$REPO/.venv}/bin/python"; fi
+cd "$REPO"
+DEVICE="$(PYTHONWARNINGS=ignore "$PY" -c 'import mm_grpo; print(mm_grpo.get_platform().name)' 2>/dev/null | tail -n 1)"
+
+if [ "$DEVICE" = "npu" ]; then  # Ascend settings MindSpeed-MM's scripts use
+  export TASK_QUEUE_ENABLE=2 COMBINED_ENABLE=1 CPU_AFFINITY_CONF=1 HCCL_CONNECT_TIMEOUT=1200 HCCL_BUFFSIZE=800
+  export PYTORCH_NPU_ALLOC_CONF=expandable_segments:True
+  source /usr/local/Ascend/ascend-toolkit/set_env.sh 2>/dev/null || true
+fi
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+[ "$DEVICE" = "cpu" ] && export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+
+: "${PIPELINE_DIR:?set PIPELINE_DIR to a diffusers FLUX pipeline folder}"
+: "${DATA_DIR:?set DATA_DIR to an image-caption folder (metadata.jsonl + images)}"
+export PIPELINE_DIR DATA_DIR EVAL_PROMPT_FILE="${EVAL_PROMPT_FILE:-}"
+RUN_DIR="${RUN_DIR:-$REPO/runs/pretrain_flux_$(date +%Y%m%d_%H%M%S)}"
+mkdir -p "$RUN_DIR"
+
+NPUS_PER_NODE="${NPUS_PER_NODE:-$([ "$DEVICE" = "cpu" ] && echo 2 || echo 8)}"; NNODES="${NNODES:-1}"
+NODE_RANK="${NODE_RANK:-0}"; MASTER_ADDR="${MASTER_ADDR:-localhost}"; MASTER_PORT="${MASTER_PORT:-6001}"
+TP="${TP:-1}"; PP="${PP:-1}"; CP="${CP:-1}"
+MBS="${MBS:-1}"; GBS="${GBS:-$((MBS * NPUS_PER_NODE * NNODES / (TP * PP * CP)))}"
+ITERS="${ITERS:-1000}"; LR="${LR:-1e-5}"; WARMUP="${WARMUP:-0}"
+
+DISTRIBUTED_ARGS="--nproc_per_node $NPUS_PER_NODE --nnodes $NNODES --node_rank $NODE_RANK \
+  --master_addr $MASTER_ADDR --master_port $MASTER_PORT"
+GPT_ARGS="--tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP \
+  --context-parallel-size $CP --context-parallel-algo ulysses_cp_algo \
+  --micro-batch-size $MBS --global-batch-size $GBS --train-iters $ITERS --seed ${SEED:-1234} \
+  --lr $LR --lr-warmup-iters $WARMUP --lr-decay-style ${DECAY:-constant} --weight-decay ${WD:-1e-4} \
+  --adam-beta1 0.9 --adam-beta2 0.999 --clip-grad 1.0"
+[ "$DEVICE" = "cpu" ] || GPT_ARGS="$GPT_ARGS --bf16 --recompute-activations"
+MM_ARGS="--mm-model ${MODEL_JSON:-$SCRIPT_DIR/model_flow.json} --mm-data ${DATA_JSON:-$SCRIPT_DIR/data_flow.json}"
+FLOW_ARGS="--weighting-scheme logit_normal --guidance-scale ${GUIDANCE:-3.5}"
+[ -n "${SHIFT:-}" ] && FLOW_ARGS="$FLOW_ARGS --flow-shift $SHIFT"
+OUTPUT_ARGS="--save ${SAVE:-$RUN_DIR/ckpt} --save-interval ${SAVE_INTERVAL:-500} --log-interval ${LOG_INTERVAL:-50} \
+  --tensorboard-dir $RUN_DIR --eval-interval ${EVAL_INTERVAL:-500} --ckpt-format torch"
+[ -n "${LOAD:-}" ] && OUTPUT_ARGS="$OUTPUT_ARGS --load $LOAD"
+
+echo "[pretrain_flux.sh] device=$DEVICE nodes=$NNODES x $NPUS_PER_NODE TP=$TP PP=$PP CP=$CP run=$RUN_DIR"
+# shellcheck disable=SC2086
+PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}" "$PY" -m torch.distributed.run $DISTRIBUTED_ARGS \
+  -m mm_grpo.training.train_flow $GPT_ARGS $MM_ARGS $FLOW_ARGS $OUTPUT_ARGS "$@" 2>&1 | tee "$RUN_DIR/train.log"

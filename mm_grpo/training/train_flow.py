@@ -1,0 +1,320 @@
+"""Supervised flow-matching training of FLUX (pretraining or fine-tuning), the Megatron-style
+entry (run under torchrun), with the parallel layouts, checkpoints and resume of GRPO.
+
+    torchrun --nproc_per_node N -m mm_grpo.training.train_flow \
+        --mm-model model.json --mm-data data.json --train-iters 1000 ... (see --help)
+
+data.json: {"dataset_param": {"data_folder": DIR, "image_column": "file_name", "caption_column": "text",
+            "cache_features": false, "eval_prompt_file": ..., "eval_samples_per_prompt": 1, "eval_seed": 0},
+            "dataloader_param": {"shuffle": true, "seed": 1234}}
+DIR is an image-caption folder (mm_grpo/data/image_captions.py), relative to data.json's folder. Each iteration takes the next
+global batch of a per-epoch permutation; the batch of iteration i depends on i only, so a
+resumed run reads exactly what an uninterrupted one would. Noise and timesteps are drawn per
+(seed, iteration, global sample index): the run does not depend on the parallel layout.
+"""
+import dataclasses
+import os
+import sys
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from mm_grpo import get_platform
+from mm_grpo.data.image_captions import ImageCaptionDataset
+from mm_grpo.models.registry import flux_config_from_block
+from mm_grpo.parallel import initialize_parallel
+from mm_grpo.parallel.pipeline import forward_backward
+from mm_grpo.pipeline.latents import pack_latents
+from mm_grpo.training import components
+from mm_grpo.training.arguments import build_parser, load_json
+from mm_grpo.training.checkpointing import load_checkpoint, save_checkpoint
+from mm_grpo.training.evaluation import conditioning, seeded_generator
+from mm_grpo.training.flow_matching import (WEIGHTING_SCHEMES, FlowMatchingSettings, flow_matching_loss,
+                                            noisy_latents, sample_sigmas)
+from mm_grpo.training.logging_utils import TrainLogger
+from mm_grpo.training.trainable import build_trainable, parallel_config
+
+TRAIN_STREAM = 1  # generator stream of the training noise (evaluation uses its own)
+
+
+def add_flow_args(parser):
+    g = parser.add_argument_group("flow matching")
+    g.add_argument("--weighting-scheme", default="logit_normal", choices=WEIGHTING_SCHEMES,
+                   help="distribution of t before the shift (SD3 / FLUX: logit_normal)")
+    g.add_argument("--logit-mean", type=float, default=0.0)
+    g.add_argument("--logit-std", type=float, default=1.0)
+    g.add_argument("--flow-shift", type=float, default=None,
+                   help="sigma shift s; default: FLUX's exp(mu) from the number of image tokens")
+    g.add_argument("--guidance-scale", type=float, default=3.5, help="guidance embedding value (FLUX.1-dev)")
+    g.add_argument("--height", type=int, default=None,
+                   help="side of the square training images (default: model.json image_size)")
+    g.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts per evaluation")
+    g.add_argument("--num-inference-steps", type=int, default=16, help="ODE steps of the evaluation")
+    g.add_argument("--sigma-shift", type=float, default=3.0, help="shift of the evaluation's sigma schedule")
+    return parser
+
+
+def parse_args(argv=None):
+    args = add_flow_args(build_parser(grpo=False)).parse_args(argv)
+    args.mm_model_config = load_json(args.mm_model, "--mm-model")
+    args.mm_data_config = load_json(args.mm_data, "--mm-data")
+    return args
+
+
+@dataclasses.dataclass(frozen=True)
+class FlowSettings:
+    global_batch_size: int
+    micro_batch_size: int
+    flow: FlowMatchingSettings
+    guidance_scale: float = 3.5
+    seed: int = 1234
+
+    def check(self, dp_size: int):
+        if self.global_batch_size % (dp_size * self.micro_batch_size):
+            raise ValueError(f"global batch size {self.global_batch_size} must be divisible by data-parallel size "
+                             f"{dp_size} x micro-batch size {self.micro_batch_size}")
+
+
+class FeatureEncoder:
+    """Images -> packed, normalised VAE latents; captions -> text conditioning.
+
+    Latents are the posterior means (deterministic), so with `cache` each image and each
+    caption is encoded once per run (memory grows with the data: for small datasets)."""
+
+    def __init__(self, ae_block, text_block, dataset, in_channels, device, dtype, cache=False):
+        from mm_grpo.pipeline.vae import load_vae
+        self.vae = load_vae(components.block(ae_block, "from_pretrained", "ae"), device=device)
+        packed = 4 * self.vae.config.latent_channels
+        if packed != in_channels:
+            raise ValueError(f"the VAE has {self.vae.config.latent_channels} latent channels ({packed} packed), "
+                             f"but the transformer takes {in_channels}")
+        self.conditioner = components.conditioner(text_block, device, dtype)
+        self.dataset, self.device, self.cache = dataset, device, cache
+        self.latent_cache, self.text_cache = {}, {}
+
+    @torch.no_grad()
+    def latents(self, indices: List[int]) -> torch.Tensor:
+        todo = [i for i in dict.fromkeys(indices) if i not in self.latent_cache]
+        found = {}
+        if todo:
+            images = self.dataset.images(todo).to(self.device, self.vae.dtype) * 2 - 1
+            z = self.vae.encode(images).latent_dist.mode()
+            z = (z - self.vae.config.shift_factor) * self.vae.config.scaling_factor
+            found = dict(zip(todo, pack_latents(z).float()))
+            if self.cache:
+                self.latent_cache.update(found)
+        return torch.stack([self.latent_cache.get(i, found.get(i)) for i in indices])
+
+    def text(self, captions: List[str]):
+        todo = [c for c in dict.fromkeys(captions) if c not in self.text_cache]
+        found = {}
+        if todo:
+            embeds, pooled, txt_ids = self.conditioner(todo)
+            found = {c: (e, p, txt_ids) for c, e, p in zip(todo, embeds, pooled)}
+            if self.cache:
+                self.text_cache.update(found)
+        rows = [self.text_cache.get(c, found.get(c)) for c in captions]
+        return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]), rows[0][2]
+
+
+class FlowRun:
+    """Everything one flow-matching run holds, built from the arguments."""
+
+    def __init__(self, args):
+        self.args = args
+        self.model_cfg = components.resolve_paths(args.mm_model_config, os.path.dirname(os.path.abspath(args.mm_model)))
+        self.data_cfg = components.resolve_paths(args.mm_data_config, os.path.dirname(os.path.abspath(args.mm_data)))
+        platform = get_platform()
+        self.device = platform.device
+        if args.bf16 and platform.name == "cpu":
+            raise ValueError("--bf16 training needs an accelerator: megatron-core's linear layers restore CUDA "
+                             "autocast in their backward, so bf16 autocast fails on CPU (train in fp32 there)")
+        predictor = components.block(self.model_cfg, "predictor", "--mm-model")
+        self.flux_config = flux_config_from_block(
+            dict(predictor, recompute_blocks=args.recompute_activations, bf16=args.bf16))
+        height, width = self.model_cfg.get("image_size", [64, 64])
+        if height != width and not args.height:
+            raise ValueError(f"image_size {height}x{width}: flow-matching training reads square images "
+                             "(centre-cropped); set a square image_size or --height")
+        size = args.height or height
+        if size % 16:
+            raise ValueError(f"image size {size} must be a multiple of 16 (VAE 8 x packing 2)")
+        self.size = size
+        params = components.block(self.data_cfg, "dataset_param", "--mm-data")
+        if "data_folder" not in params:
+            raise ValueError("--mm-data: dataset_param needs 'data_folder' (an image-caption folder)")
+        folder = os.path.join(os.path.dirname(os.path.abspath(args.mm_data)), params["data_folder"])
+        self.dataset = ImageCaptionDataset(folder, params.get("image_column", "file_name"),
+                                           params.get("caption_column", "text"), resolution=size)
+        loader = self.data_cfg.get("dataloader_param", {})
+        self.shuffle, self.data_seed = loader.get("shuffle", True), loader.get("seed", args.seed)
+        parallel = parallel_config(args, predictor)
+        initialize_parallel(parallel, seed=args.seed)
+        self.settings = FlowSettings(
+            global_batch_size=args.global_batch_size or args.micro_batch_size * parallel_state.get_data_parallel_world_size(),
+            micro_batch_size=args.micro_batch_size, guidance_scale=args.guidance_scale, seed=args.seed,
+            flow=FlowMatchingSettings(weighting_scheme=args.weighting_scheme, logit_mean=args.logit_mean,
+                                      logit_std=args.logit_std, shift=args.flow_shift))
+        self.settings.check(parallel_state.get_data_parallel_world_size())
+        self.model = build_trainable(args, self.flux_config, predictor, parallel)
+        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        self.features = FeatureEncoder(components.block(self.model_cfg, "ae", "--mm-model"),
+                                       components.block(self.model_cfg, "text_encoder", "--mm-model"),
+                                       self.dataset, self.flux_config.in_channels, self.device, dtype,
+                                       cache=bool(params.get("cache_features", False)))
+        self.grid = (size // 16, size // 16)
+        self.evaluator = self._evaluator(params)
+        self.start_iteration = 0
+        if self.model.resume:
+            self.start_iteration, _ = load_checkpoint(args.load, self.model.chunks, self.model.optimizer,
+                                                      self.model.scheduler, load_optim=not args.no_load_optim,
+                                                      load_rng=not args.no_load_rng)
+
+    def _evaluator(self, params):
+        """ODE samples of the held-out prompts, scored by model.json's rewards (if both are given)."""
+        if not params.get("eval_prompt_file") or "reward" not in self.model_cfg:
+            return None
+        from mm_grpo.data import read_prompts
+        from mm_grpo.rewards.combined import CombinedReward
+        from mm_grpo.rollout import sigma_schedule
+        from mm_grpo.training.evaluation import Evaluator
+        return Evaluator(
+            read_prompts(params["eval_prompt_file"])[:self.args.eval_prompts], self.features.text,
+            components.decoder(self.model_cfg["ae"], self.device, torch.float32),
+            CombinedReward.from_configs(self.model_cfg["reward"], device=self.device),
+            sigma_schedule(self.args.num_inference_steps, self.args.sigma_shift).to(self.device), self.size,
+            self.size, self.flux_config.in_channels, self.args.guidance_scale,
+            params.get("eval_samples_per_prompt", 1), seed=params.get("eval_seed", 0), device=self.device)
+
+    # --- data -------------------------------------------------------------------------
+    def local_samples(self, iteration: int) -> range:
+        """Global sample numbers of this data-parallel rank's share of iteration's batch."""
+        n, dp = self.settings.global_batch_size, parallel_state.get_data_parallel_world_size()
+        start = iteration * n + parallel_state.get_data_parallel_rank() * (n // dp)
+        return range(start, start + n // dp)
+
+    def dataset_index(self, sample: int) -> int:
+        epoch, pos = divmod(sample, len(self.dataset))
+        if not self.shuffle:
+            return pos
+        if getattr(self, "_epoch", None) != epoch:
+            self._epoch = epoch
+            self._order = torch.randperm(len(self.dataset), generator=seeded_generator(self.data_seed, epoch)).tolist()
+        return self._order[pos]
+
+    def micro_batches(self, iteration: int) -> List[Dict]:
+        samples = list(self.local_samples(iteration))
+        indices = [self.dataset_index(s) for s in samples]
+        x0 = self.features.latents(indices).to(self.device)
+        tokens = x0.shape[1]
+        noise, sigma = [], []
+        for s in samples:
+            g = seeded_generator(self.settings.seed, TRAIN_STREAM, iteration, s)
+            noise.append(torch.randn(x0.shape[1:], generator=g))
+            sigma.append(sample_sigmas(1, self.settings.flow, tokens, generator=g))
+        noise, sigma = torch.stack(noise).to(self.device), torch.cat(sigma).to(self.device)
+        cond = conditioning(self.features.text, self.dataset.captions_of(indices), self.grid,
+                            self.settings.guidance_scale, self.device)
+        x_t = noisy_latents(x0, noise, sigma)
+        mbs = self.settings.micro_batch_size
+        return [dict(hidden_states=x_t[i:i + mbs], timestep=sigma[i:i + mbs], x0=x0[i:i + mbs],
+                     noise=noise[i:i + mbs], encoder_hidden_states=cond["encoder_hidden_states"][i:i + mbs],
+                     pooled_projections=cond["pooled_projections"][i:i + mbs], guidance=cond["guidance"][i:i + mbs],
+                     txt_ids=cond["txt_ids"], img_ids=cond["img_ids"])
+                for i in range(0, len(samples), mbs)]
+
+    # --- training ---------------------------------------------------------------------
+    @staticmethod
+    def loss_fn(v, mb):
+        return flow_matching_loss(v, mb["x0"], mb["noise"]).mean(), {}
+
+    def train_step(self, micro_batches: List[Dict]) -> Dict[str, float]:
+        """One optimizer step over `micro_batches` (this rank's share of the global batch)."""
+        model = self.model
+        for chunk in model.chunks:
+            chunk.zero_grad_buffer()
+        model.optimizer.zero_grad()
+        per_mb = forward_backward(model.chunks, micro_batches, self.loss_fn)
+        loss = self._dp_mean(torch.stack([m["loss"].float() for m in per_mb]).mean())
+        if not self._all_finite(loss):
+            return {"loss": loss, "skipped": 1.0, "grad_norm": float("nan"),
+                    "skip_reason": "non-finite loss or gradient"}
+        ok, grad_norm, _ = model.optimizer.step()
+        if ok:
+            model.scheduler.step(increment=1)
+        return {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+                "skipped": 0.0 if ok else 1.0, "lr": model.optimizer.param_groups[0]["lr"]}
+
+    def _dp_mean(self, value) -> float:
+        t = torch.as_tensor(value, dtype=torch.float64).clone()
+        dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
+        return t.item() / parallel_state.get_data_parallel_world_size()
+
+    def _all_finite(self, loss: float) -> bool:
+        finite = bool(torch.isfinite(torch.tensor(loss))) and all(
+            bool(torch.isfinite(getattr(p, "main_grad", p.grad)).all())
+            for chunk in self.model.chunks for p in chunk.parameters() if p.requires_grad)
+        flag = torch.tensor(1.0 if finite else 0.0)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def train(self):
+        args = self.args
+        logger = TrainLogger(args.tensorboard_dir, args.train_iters, self.start_iteration,
+                             progress_bar=not args.no_progress_bar, log_interval=args.log_interval)
+        history = []
+        try:
+            for it in range(self.start_iteration, args.train_iters):
+                start = time.time()
+                stats = self.train_step(self.micro_batches(it))
+                stats["samples_per_second"] = self.settings.global_batch_size / (time.time() - start)
+                history.append(stats)
+                logger.log(it + 1, stats)
+                done = it + 1
+                if self.evaluator and args.eval_interval and (done % args.eval_interval == 0 or done == args.train_iters):
+                    result = self.evaluator(self.model.modules)
+                    logger.log(done, result.stats)
+                    history[-1].update(result.stats)
+                    if self.image_dir:
+                        logger.image_grid(done, result.images[:16], os.path.join(self.image_dir, f"eval_{done:06d}.png"))
+                if args.save and args.save_interval and done % args.save_interval == 0:
+                    self.save(done)
+            if args.save and (not args.save_interval or args.train_iters % args.save_interval):
+                self.save(args.train_iters)
+        finally:
+            logger.close()
+        return history
+
+    def save(self, iteration):
+        m = self.model
+        save_checkpoint(self.args.save, iteration, m.chunks, m.optimizer, m.scheduler, m.meta,
+                        {"consumed_train_samples": iteration * self.settings.global_batch_size,
+                         "iteration": iteration})
+
+    @property
+    def image_dir(self):
+        root = self.args.tensorboard_dir or self.args.save
+        return os.path.join(root, "samples") if root else None
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    run = FlowRun(args)
+    start = time.time()
+    history = run.train()
+    if dist.get_rank() == dist.get_world_size() - 1 and history:
+        print(f"[mm-grpo] flow matching: {len(history)} iterations in {time.time() - start:.1f}s; "
+              f"loss first {history[0]['loss']:.4f} -> last {history[-1]['loss']:.4f}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as e:  # configuration problems: one line, non-zero exit
+        print(f"mm-grpo: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,64 @@
+"""The trainable FLUX of a training run (GRPO or flow matching): parallel layout, this rank's
+model chunks with their starting weights, DDP, optimizer, LR schedule, checkpoint metadata.
+
+Starting weights: `--load` names either a training checkpoint (`iter_*`: resume weights,
+optimizer and RNG from it) or converted weights (`release`, or a diffusers folder) to start
+from; without `--load`, `predictor.from_pretrained` of model.json.
+"""
+import dataclasses
+import os
+from typing import List, Optional
+
+from mm_grpo.checkpoint.metadata import CheckpointMeta
+from mm_grpo.checkpoint.paths import RELEASE, is_megatron_checkpoint, iteration_dir
+from mm_grpo.models.flux.config import FluxConfig
+from mm_grpo.models.registry import load_pretrained
+from mm_grpo.parallel import ParallelConfig
+from mm_grpo.parallel.pipeline import build_model_chunks, resolve_pp_layers
+from mm_grpo.training.optim import build_optimizer, build_scheduler, wrap_ddp
+
+
+def parallel_config(args, predictor: dict) -> ParallelConfig:
+    """TP / PP / CP from the arguments; virtual stages from a nested `pipeline_num_layers`."""
+    layers = predictor.get("pipeline_num_layers")
+    nested = bool(layers) and all(isinstance(x, (list, tuple)) for x in layers) and len(layers) > 1
+    return ParallelConfig(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                          cp=args.context_parallel_size, cp_algo=args.context_parallel_algo,
+                          vpp=len(layers) if nested else None)
+
+
+def is_training_checkpoint(path: str) -> bool:
+    return is_megatron_checkpoint(path) and os.path.basename(iteration_dir(path)) != RELEASE
+
+
+@dataclasses.dataclass
+class Trainable:
+    chunks: list  # this rank's DDP-wrapped model chunks
+    optimizer: object
+    scheduler: object
+    meta: CheckpointMeta
+    pp_layers: List[List[int]]
+    initial: Optional[str]  # the starting weights (None when resuming without from_pretrained)
+    resume: bool  # --load is a training checkpoint: call `load_checkpoint` after building
+
+    @property
+    def modules(self):
+        """The bare model chunks inside DDP (for no-grad forwards)."""
+        return [getattr(c, "module", c) for c in self.chunks]
+
+
+def build_trainable(args, flux_config: FluxConfig, predictor: dict, parallel: ParallelConfig) -> Trainable:
+    """Model chunks with their starting weights (not yet the resumed ones), DDP, optimizer."""
+    pp_layers = resolve_pp_layers(predictor.get("pipeline_num_layers"), flux_config.num_blocks,
+                                  parallel.pp, parallel.vpp or 1)
+    resume = bool(args.load) and is_training_checkpoint(args.load)
+    initial = predictor.get("from_pretrained") if resume or not args.load else args.load
+    if initial is None and not resume:
+        raise ValueError("no starting weights: give --load or predictor.from_pretrained in --mm-model")
+    chunks = build_model_chunks(flux_config, pp_layers)
+    if not resume:  # a resumed run takes its weights from the training checkpoint
+        load_pretrained(chunks, initial)
+    ddp = wrap_ddp(chunks, args.use_distributed_optimizer)
+    optimizer = build_optimizer(ddp, args)
+    meta = CheckpointMeta(flux_config, tp_size=parallel.tp, pp_layers=pp_layers[0] if len(pp_layers) == 1 else pp_layers)
+    return Trainable(ddp, optimizer, build_scheduler(optimizer, args), meta, pp_layers, initial, resume)

@@ -1,0 +1,130 @@
+"""The rule-based compositional reward against the generator's ground truth and crafted scenes."""
+import collections
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from mm_grpo.data import shapes
+from mm_grpo.data.shapes import CaptionSampler, ObjectSpec, PlacedObject, PromptSpec, Scene, render, sample_scene
+from mm_grpo.rewards import CombinedReward, build_reward
+from mm_grpo.rewards.compositional import _components, check, detect, reference_levels, score
+
+
+def _pixels(*scenes):
+    return torch.stack([torch.from_numpy(np.array(render(s))) for s in scenes]).permute(0, 3, 1, 2).float() / 255
+
+
+def _bfs_partition(mask):
+    """Reference: 8-connected components by breadth-first search -> set of frozensets of pixels."""
+    h, w = mask.shape
+    seen, parts = set(), set()
+    for start in zip(*np.nonzero(mask)):
+        if start in seen:
+            continue
+        queue, part = collections.deque([start]), set()
+        seen.add(start)
+        while queue:
+            y, x = queue.popleft()
+            part.add((y, x))
+            for dy in (-1, 0, 1):
+                for dx in (-1, 0, 1):
+                    n = (y + dy, x + dx)
+                    if 0 <= n[0] < h and 0 <= n[1] < w and mask[n] and n not in seen:
+                        seen.add(n)
+                        queue.append(n)
+        parts.add(frozenset(part))
+    return parts
+
+
+def test_connected_components_match_breadth_first_search():
+    g = torch.Generator().manual_seed(0)
+    masks = torch.rand(6, 24, 24, generator=g) < torch.tensor([0.2, 0.4, 0.5, 0.6, 0.0, 1.0]).view(6, 1, 1)
+    labels = _components(masks)
+    for mask, lab in zip(masks.numpy(), labels.numpy()):
+        ours = {frozenset(zip(*np.nonzero(lab == v))) for v in np.unique(lab) if v}
+        assert ours == _bfs_partition(mask)
+        assert ((lab > 0) == mask).all()
+
+
+def test_detector_recovers_every_object_of_generated_scenes():
+    config = shapes.ShapesConfig()
+    sampler = CaptionSampler(config)
+    scenes, captions = [], []
+    for i in range(200):
+        rng = np.random.default_rng([11, i])
+        spec = sampler(rng)
+        scenes.append(sample_scene(spec, rng, config))
+        captions.append(spec.caption())
+    found, backgrounds = detect(_pixels(*scenes))
+    for scene, objects, background in zip(scenes, found, backgrounds):
+        assert background == scene.background
+        assert len(objects) == len(scene.objects)
+        for truth in scene.objects:
+            match = min(objects, key=lambda o: (o.cx - truth.cx) ** 2 + (o.cy - truth.cy) ** 2)
+            assert (match.color, match.shape) == (truth.color, truth.shape)
+            # a triangle's centroid lies a sixth of its height below its box centre
+            cy = truth.cy + (truth.size / 6 if truth.shape == "triangle" else 0)
+            assert math.hypot(match.cx - truth.cx, match.cy - cy) < 1.0
+    frac, acc = score(_pixels(*scenes), captions)
+    assert frac.tolist() == [1.0] * 200 and acc.tolist() == [1.0] * 200
+
+
+def _scene(*objects, background="white"):
+    return Scene(background, tuple(PlacedObject(c, s, x, y, 16) for c, s, x, y in objects))
+
+
+PROMPT = "a red circle above a blue square"
+CASES = [  # (scene, atoms: present/count red circle, present/count blue square, relation, nothing else)
+    (_scene(("red", "circle", 30, 12), ("blue", "square", 30, 45)), [True] * 6),
+    (_scene(("red", "circle", 30, 45), ("blue", "square", 30, 12)), [True] * 4 + [False, True]),  # below
+    (_scene(("green", "circle", 30, 12), ("blue", "square", 30, 45)), [False, False, True, True, False, False]),
+    (_scene(("red", "square", 30, 12), ("blue", "circle", 30, 45)), [False, False, False, False, False, False]),
+    (_scene(("red", "circle", 12, 12), ("red", "circle", 50, 12), ("blue", "square", 30, 45)),
+     [True, False, True, True, True, True]),  # two red circles
+    (_scene(("red", "circle", 30, 12), ("blue", "square", 30, 45), ("cyan", "triangle", 52, 52)),
+     [True] * 5 + [False]),  # an extra object
+    (_scene(), [False] * 6),  # nothing drawn scores 0
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_atoms_of_crafted_scenes(case):
+    scene, expected = CASES[case]
+    objects, backgrounds = detect(_pixels(scene))
+    assert check(PromptSpec.parse(PROMPT), objects[0], backgrounds[0]) == expected
+    frac, acc = score(_pixels(scene), [PROMPT])
+    assert frac.item() == pytest.approx(sum(expected) / len(expected)) and acc.item() == float(all(expected))
+
+
+def test_counts_and_background_atoms():
+    three = _scene(("yellow", "triangle", 12, 20), ("yellow", "triangle", 32, 20), ("yellow", "triangle", 52, 20),
+                   background="black")
+    frac, acc = score(_pixels(three, three, three), ["three yellow triangles", "two yellow triangles",
+                                                      "three yellow triangles on a white background"])
+    assert frac.tolist() == pytest.approx([1.0, 2 / 3, 3 / 4]) and acc.tolist() == [1.0, 0.0, 0.0]
+
+
+def test_registered_rewards_and_their_interface():
+    pixels = _pixels(*(c[0] for c in CASES))
+    prompts = [PROMPT] * len(CASES)
+    combined = CombinedReward.from_configs([{"name": "compositional"},
+                                            {"name": "compositional_accuracy", "weight": 0.0}])
+    total, values = combined(pixels, prompts)
+    expected = torch.tensor([sum(e) / len(e) for _, e in CASES])
+    assert torch.allclose(total, expected) and torch.allclose(values["compositional"], expected)
+    assert values["compositional_accuracy"].tolist() == [1.0] + [0.0] * (len(CASES) - 1)
+    reward = build_reward({"name": "compositional"})
+    pixels[1, 0, 0, 0] = float("nan")
+    assert math.isnan(reward(pixels[:2], prompts[:2])[1].item())
+    with pytest.raises(ValueError, match="not in the shapes grammar"):
+        reward(pixels[:1], ["a photo of a cat"])
+
+
+def test_reference_levels_ceiling_and_chance():
+    prompts = [s.caption() for s in shapes.enumerate_prompts()["relation"][::97]]
+    levels = reference_levels(prompts, samples=2, seed=0)
+    assert levels["ceiling"] == (1.0, 1.0)
+    frac, acc = levels["chance"]
+    assert 0.0 < frac < 0.2 and acc < 0.05  # a prompt-blind generator rarely meets a relation prompt
