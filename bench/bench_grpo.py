@@ -135,7 +135,10 @@ class Worker:
     def _expect(self, what=None):
         if not self.conn.poll(3600):
             raise RuntimeError("benchmark worker timed out")
-        msg = self.conn.recv()
+        try:
+            msg = self.conn.recv()
+        except EOFError:
+            raise RuntimeError("benchmark worker died (its traceback is above)") from None
         if what is not None and msg != what:
             raise RuntimeError(f"benchmark worker: expected {what!r}, got {msg!r}")
         return msg
@@ -145,8 +148,9 @@ class Worker:
         return self._expect()
 
     def close(self):
-        self.conn.send(None)
-        self.process.join(60)
+        if self.process.is_alive():
+            self.conn.send(None)
+            self.process.join(60)
 
 
 # --- report ---------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ CASES = [  # (scene, atoms: present/count red circle, present/count blue square,
     (_scene(("red", "square", 30, 12), ("blue", "circle", 30, 45)), [False, False, False, False, False, False]),
     (_scene(("red", "circle", 12, 12), ("red", "circle", 50, 12), ("blue", "square", 30, 45)),
      [True, False, True, True, True, True]),  # two red circles
-    (_scene(("red", "circle", 30, 12), ("blue", "square", 30, 45), ("cyan", "triangle", 52, 52)),
+    (_scene(("red", "circle", 30, 12), ("blue", "square", 30, 45), ("yellow", "triangle", 52, 52)),
      [True] * 5 + [False]),  # an extra object
     (_scene(), [False] * 6),  # nothing drawn scores 0
 ]
@@ -123,8 +123,8 @@ def test_registered_rewards_and_their_interface():
 
 
 def test_reference_levels_ceiling_and_chance():
-    prompts = [s.caption() for s in shapes.enumerate_prompts()["relation"][::97]]
-    levels = reference_levels(prompts, samples=2, seed=0)
+    prompts = [s.caption() for s in shapes.enumerate_prompts()["relation"][::20]]
+    levels = reference_levels(prompts, samples=4, seed=0)
     assert levels["ceiling"] == (1.0, 1.0)
     frac, acc = levels["chance"]
-    assert 0.0 < frac < 0.2 and acc < 0.05  # a prompt-blind generator rarely meets a relation prompt
+    assert 0.0 < frac < 0.25 and acc < 0.05  # a prompt-blind generator rarely meets a relation prompt

@@ -12,8 +12,8 @@ from mm_grpo.data.shapes import (CaptionSampler, ObjectSpec, PromptSpec, ShapesC
 def test_every_caption_of_the_grammar_parses_back():
     families = enumerate_prompts()
     sizes = {f: len(v) for f, v in families.items()}
-    # 6 colours x 3 shapes = 18 kinds; counts 2..3; ordered pairs of different kinds; 4 relations.
-    assert sizes == {"single": 18, "count": 36, "pair": 18 * 17, "relation": 4 * 18 * 17}
+    # 5 colours x 3 shapes = 15 kinds; counts 2..3; ordered pairs of different kinds; 4 relations.
+    assert sizes == {"single": 15, "count": 30, "pair": 15 * 14, "relation": 4 * 15 * 14}
     for family, specs in families.items():
         for spec in specs:
             assert spec.family == family
@@ -25,7 +25,7 @@ def test_caption_examples_and_errors():
     spec = PromptSpec.parse("a red circle to the left of a blue square on a black background")
     assert spec == PromptSpec((ObjectSpec("red", "circle"), ObjectSpec("blue", "square")), "left of", "black")
     assert PromptSpec.parse("  Three   GREEN triangles ") == PromptSpec((ObjectSpec("green", "triangle", 3),))
-    for bad in ("a red circles", "two red circle", "a pink circle", "a red circle near a blue square", ""):
+    for bad in ("a red circles", "two red circle", "a purple circle", "a red circle near a blue square", ""):
         with pytest.raises(ValueError, match="caption"):
             PromptSpec.parse(bad)
 
@@ -79,7 +79,7 @@ def test_controls_restrict_what_is_drawn():
         assert spec.relation in (None, "above") and max(g.count for g in spec.objects) <= 2
         assert spec.background == "white" and spec.caption().endswith("on a white background")
     with pytest.raises(ValueError, match="colors"):
-        ShapesConfig(colors=("pink",))
+        ShapesConfig(colors=("purple",))
     with pytest.raises(ValueError, match="max_size"):
         ShapesConfig(min_size=30, max_size=40)
     with pytest.raises(ValueError, match="a 4x4 grid on 64px needs cells of at least max_size"):
@@ -93,7 +93,7 @@ def test_split_is_disjoint_and_excluded_captions_are_never_drawn():
     every = {s.caption() for f in enumerate_prompts().values() for s in f}
     assert sets["pretrain"] | sets["grpo"] | sets["eval"] == every
     assert all(PromptSpec.parse(c).family != "single" for c in sets["grpo"] | sets["eval"])
-    assert len(sets["eval"]) == pytest.approx(0.1 * (len(every) - 18), abs=4)
+    assert len(sets["eval"]) == pytest.approx(0.1 * (len(every) - 15), abs=4)
     assert split_prompts(seed=0) == split and split_prompts(seed=1) != split
     sampler = CaptionSampler(exclude=split["grpo"] + split["eval"])
     drawn = {sampler(np.random.default_rng([2, i])).caption() for i in range(2000)}
@@ -128,10 +128,10 @@ def test_cli_split_generate_and_bad_input(tmp_path, capsys):
     shapes.main(["split", "--out", str(tmp_path / "p")])
     eval_file = tmp_path / "p" / "eval.txt"
     shapes.main(["generate", "--out", str(tmp_path / "d"), "--num-images", "5", "--prompts", str(eval_file),
-                 "--colors", "red,blue,green,yellow,cyan,purple"])
+                 "--colors", "red,blue,green,yellow,pink"])
     allowed = set(eval_file.read_text().split("\n"))
     assert {json.loads(l)["text"] for l in (tmp_path / "d" / "metadata.jsonl").read_text().splitlines()} <= allowed
     with pytest.raises(SystemExit) as exit_info:
-        shapes.main(["generate", "--out", str(tmp_path / "e"), "--num-images", "2", "--colors", "red,pink"])
+        shapes.main(["generate", "--out", str(tmp_path / "e"), "--num-images", "2", "--colors", "red,purple"])
     assert exit_info.value.code == 2
-    assert "error: colors: unknown 'pink'; choose from red, yellow" in capsys.readouterr().err
+    assert "error: colors: unknown 'purple'; choose from red, yellow" in capsys.readouterr().err

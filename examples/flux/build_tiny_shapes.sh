@@ -10,7 +10,8 @@
 #   bash examples/flux/build_tiny_shapes.sh            # OUT=examples/flux/tiny_shapes (replaced)
 #
 # Settings: OUT, WORK (scratch folder, default runs/build_tiny_shapes), SEED, NUM_IMAGES,
-# VAE_STEPS, ITERS (transformer iterations), GBS, LR. Stage times go to $WORK/times.txt.
+# VAE_STEPS, ITERS (transformer iterations), GBS, LR, SAVE_INTERVAL and EVAL_INTERVAL (held-out
+# accuracy during pretraining). Stage times go to $WORK/times.txt.
 set -euo pipefail
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$SCRIPT_DIR/../.." && pwd)"
@@ -21,7 +22,7 @@ export MM_GRPO_PYTHON="$PY" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONWARNIN
 cd "$REPO"
 
 OUT="${OUT:-$SCRIPT_DIR/tiny_shapes}"; WORK="${WORK:-$REPO/runs/build_tiny_shapes}"
-SEED="${SEED:-0}"; NUM_IMAGES="${NUM_IMAGES:-6000}"; VAE_STEPS="${VAE_STEPS:-1500}"
+SEED="${SEED:-0}"; NUM_IMAGES="${NUM_IMAGES:-6000}"; VAE_STEPS="${VAE_STEPS:-2000}"
 ITERS="${ITERS:-2000}"; GBS="${GBS:-64}"; LR="${LR:-1e-3}"
 PROMPTS="$SCRIPT_DIR/shapes_prompts"
 rm -rf "$WORK"; mkdir -p "$WORK"
@@ -43,8 +44,8 @@ stage init
 PIPELINE_DIR="$WORK/init" DATA_DIR="$WORK/data" RUN_DIR="$WORK/pretrain" \
 MODEL_JSON="$SCRIPT_DIR/model_flow_shapes.json" DATA_JSON="$SCRIPT_DIR/data_flow_shapes.json" \
 NPUS_PER_NODE=2 ITERS="$ITERS" GBS="$GBS" MBS=$((GBS / 2)) LR="$LR" WARMUP=100 DECAY=cosine WD=0 SHIFT=3 \
-SEED="$SEED" SAVE_INTERVAL=100000 EVAL_INTERVAL="$ITERS" LOG_INTERVAL=100 \
-  bash "$SCRIPT_DIR/pretrain_flux.sh" --no-progress-bar --eval-prompts 155
+SEED="$SEED" SAVE_INTERVAL="${SAVE_INTERVAL:-500}" EVAL_INTERVAL="${EVAL_INTERVAL:-500}" LOG_INTERVAL=100 \
+  bash "$SCRIPT_DIR/pretrain_flux.sh" --no-progress-bar --eval-prompts "$(wc -l < "$PROMPTS/eval.txt")"
 stage pretrain
 "$PY" -m converters.convert_cli FluxConverter mm_to_hf --cfg.source_path "$WORK/pretrain/ckpt" \
   --cfg.target_path "$WORK/transformer" --cfg.dtype fp16

@@ -20,19 +20,7 @@ set -euo pipefail
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$SCRIPT_DIR/../.." && pwd)"
 
-if [ -n "${MM_GRPO_PYTHON:-}" ]; then PY="$MM_GRPO_PYTHON"
-elif python3 -c "import mm_grpo" 2>/dev/null; then PY=python3
-else bash "$REPO/shell/setup_env.sh"; PY="${MM_GRPO_VENV:-$REPO/.venv}/bin/python"; fi
-cd "$REPO"
-DEVICE="$(PYTHONWARNINGS=ignore "$PY" -c 'import mm_grpo; print(mm_grpo.get_platform().name)' 2>/dev/null | tail -n 1)"
-
-if [ "$DEVICE" = "npu" ]; then  # Ascend settings MindSpeed-MM's scripts use
-  export TASK_QUEUE_ENABLE=2 COMBINED_ENABLE=1 CPU_AFFINITY_CONF=1 HCCL_CONNECT_TIMEOUT=1200 HCCL_BUFFSIZE=800
-  export PYTORCH_NPU_ALLOC_CONF=expandable_segments:True
-  source /usr/local/Ascend/ascend-toolkit/set_env.sh 2>/dev/null || true
-fi
-export CUDA_DEVICE_MAX_CONNECTIONS=1
-[ "$DEVICE" = "cpu" ] && export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+source "$REPO/shell/launch_env.sh"  # PY, DEVICE, accelerator environment
 
 : "${PIPELINE_DIR:?set PIPELINE_DIR to a diffusers FLUX pipeline folder}"
 : "${DATA_DIR:?set DATA_DIR to an image-caption folder (metadata.jsonl + images)}"

@@ -25,11 +25,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-# Hues 60 degrees apart: distinct after a lossy tiny VAE, and easy to classify by nearest colour.
-COLORS = {"red": (220, 40, 40), "yellow": (235, 200, 30), "green": (40, 170, 60),
-          "cyan": (30, 185, 205), "blue": (45, 70, 220), "purple": (155, 50, 200)}
-# Neutral backgrounds: no object colour is near them.
-BACKGROUNDS = {"white": (240, 240, 240), "gray": (128, 128, 128), "black": (20, 20, 20)}
+# Five hues around the colour wheel and two neutral backgrounds: any two of the seven are at
+# least 150 apart in RGB, so nearest-colour classification survives a lossy tiny VAE (with a
+# sixth hue, cyan, and a gray background, the tiny VAE mixed up the blue-green hues).
+COLORS = {"red": (220, 40, 40), "yellow": (235, 200, 30), "green": (40, 170, 60), "blue": (45, 70, 220),
+          "pink": (230, 60, 190)}
+BACKGROUNDS = {"white": (240, 240, 240), "black": (20, 20, 20)}
 SHAPES = ("circle", "square", "triangle")
 # relation -> (axis, sign): "A above B" means A's centre is above B's (smaller y).
 RELATIONS = {"above": (1, -1), "below": (1, 1), "left of": (0, -1), "right of": (0, 1)}

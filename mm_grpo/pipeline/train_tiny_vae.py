@@ -10,7 +10,11 @@ Choices, each measured on the shapes data (docs/demo.md):
   a decoder that turns the small errors of a diffusion model's latents into stray blobs;
 - the pixel loss (L1 + squared error in [-1, 1]) weighs object pixels (those away from the
   image's median colour) and pixels next to an edge more: objects cover a tenth of the image,
-  and their outlines are what tells a square from a circle.
+  and their outlines are what tells a square from a circle;
+- three of the four latent channels are pulled towards the image's mean colour over each 8x8
+  cell (`anchor_weight`): without it the tiny VAE kept hue in too small a signal, and under the
+  latent noise red and yellow both came back orange. It also keeps the latents image-like
+  (smooth), which the diffusion transformer finds easier to model.
 Afterwards the posterior means of the training images set `shift_factor` (their mean) and
 `scaling_factor` (1 / their std), so the transformer sees zero-mean, unit-variance latents, as
 FLUX's own VAE config arranges.
@@ -33,10 +37,11 @@ from mm_grpo.pipeline.tiny import VAE_CONFIG
 
 @dataclasses.dataclass(frozen=True)
 class VaeTraining:
-    steps: int = 1500
+    steps: int = 2000
     batch_size: int = 8
     lr: float = 2e-3  # AdamW, cosine decay to 0
-    latent_noise: float = 0.3  # noise std / std of the latents, added before decoding
+    latent_noise: float = 0.15  # noise std / std of the latents, added before decoding
+    anchor_weight: float = 1.0  # pull latent channels 0-2 to the image's 8x8 mean colours
     foreground_weight: float = 10.0
     edge_weight: float = 20.0
     block_out_channels: Tuple[int, ...] = (8, 16, 32, 32)
@@ -82,10 +87,11 @@ def train_vae(images, settings: VaeTraining = VaeTraining(), log_every=100):
     for step in range(1, steps + 1):
         x = images[torch.randint(len(images), (settings.batch_size,), generator=generator)] * 2 - 1
         z = vae.encode(x).latent_dist.mode()
+        anchor = ((z[:, :3] - F.avg_pool2d(x, x.shape[-1] // z.shape[-1])) ** 2).mean()
         z = z + settings.latent_noise * z.std().detach() * torch.randn(z.shape, generator=generator)
         err = vae.decode(z).sample - x
         weights = pixel_weights(x, settings.foreground_weight, settings.edge_weight)
-        loss = (weights * (err.abs() + err ** 2)).mean()
+        loss = (weights * (err.abs() + err ** 2)).mean() + settings.anchor_weight * anchor
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -131,6 +137,7 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--latent-noise", type=float, default=defaults.latent_noise)
+    parser.add_argument("--anchor-weight", type=float, default=defaults.anchor_weight)
     parser.add_argument("--held-out", type=int, default=256, help="last N images: not trained on, reported")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     args = parser.parse_args(argv)
@@ -140,8 +147,8 @@ def main(argv=None):
         if n < 1:
             raise ValueError(f"{args.data} has {len(dataset)} images: too few for --held-out {args.held_out}")
         start = time.time()
-        vae = train_vae(dataset.images(range(n)), VaeTraining(args.steps, args.batch_size, args.lr,
-                                                               args.latent_noise, seed=args.seed))
+        vae = train_vae(dataset.images(range(n)), VaeTraining(args.steps, args.batch_size, args.lr, args.latent_noise,
+                                                               args.anchor_weight, seed=args.seed))
         save_vae(vae, args.out)
         report = f"vae: {sum(p.numel() for p in vae.parameters()):,} parameters"
         if args.held_out:

@@ -51,24 +51,28 @@ def reward_curve(history: List[Dict], evaluations: Dict[int, Dict[str, float]], 
 def before_after_grid(prompts: List[str], before: torch.Tensor, after: torch.Tensor, path: str,
                       before_ok: Optional[torch.Tensor] = None, after_ok: Optional[torch.Tensor] = None,
                       columns: int = 8):
-    """One column per sample: its prompt, the image before training (top) and after (bottom),
-    framed green / red where `*_ok` says the prompt was met / missed."""
+    """One column per prompt (its first sample): the prompt, the image before training (top)
+    and after (bottom), framed green / red where `*_ok` says the prompt was met / missed."""
     plt = _pyplot()
-    n = min(columns, len(prompts))
-    fig, axes = plt.subplots(2, n, figsize=(1.6 * n, 3.8), squeeze=False)
-    for j in range(n):
+    first_sample = {}
+    for i, prompt in enumerate(prompts):
+        first_sample.setdefault(prompt, i)
+    first = list(first_sample.values())[:columns]
+    n = len(first)
+    fig, axes = plt.subplots(2, n, figsize=(1.6 * n, 3.6), squeeze=False)
+    for j, k in enumerate(first):
         for row, (images, ok, label) in enumerate(((before, before_ok, "before"), (after, after_ok, "after"))):
             ax = axes[row][j]
-            ax.imshow(images[j].permute(1, 2, 0).clamp(0, 1).numpy(), interpolation="nearest")
+            ax.imshow(images[k].permute(1, 2, 0).clamp(0, 1).numpy(), interpolation="nearest")
             ax.set_xticks([])
             ax.set_yticks([])
             if ok is not None:
                 for spine in ax.spines.values():
-                    spine.set_edgecolor("tab:green" if ok[j] > 0.5 else "tab:red")
+                    spine.set_edgecolor("tab:green" if ok[k] > 0.5 else "tab:red")
                     spine.set_linewidth(3)
             if j == 0:
                 ax.set_ylabel(label)
-        axes[0][j].set_title(_wrap(prompts[j]), fontsize=7)
+        axes[0][j].set_title(_wrap(prompts[k]), fontsize=7)
     return _save(fig, path)
 
 

@@ -14,7 +14,6 @@ resumed run reads exactly what an uninterrupted one would. Noise and timesteps a
 """
 import dataclasses
 import os
-import sys
 import time
 from typing import Dict, List
 
@@ -30,6 +29,7 @@ from mm_grpo.parallel.pipeline import forward_backward
 from mm_grpo.pipeline.latents import pack_latents
 from mm_grpo.training import components
 from mm_grpo.training.arguments import build_parser, load_json
+from mm_grpo.training.entry import run_entry, train_and_report
 from mm_grpo.training.checkpointing import load_checkpoint, save_checkpoint
 from mm_grpo.training.evaluation import conditioning, seeded_generator
 from mm_grpo.training.flow_matching import (WEIGHTING_SCHEMES, FlowMatchingSettings, flow_matching_loss,
@@ -301,20 +301,16 @@ class FlowRun:
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    run = FlowRun(args)
-    start = time.time()
-    history = run.train()
-    if dist.get_rank() == dist.get_world_size() - 1 and history:
-        print(f"[mm-grpo] flow matching: {len(history)} iterations in {time.time() - start:.1f}s; "
-              f"loss first {history[0]['loss']:.4f} -> last {history[-1]['loss']:.4f}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    def report(history, seconds):
+        evaluated = [h for h in history if any(k.startswith("eval/") for k in h)]
+        held_out = "; ".join(f"{k[5:]} {v:.4f}" for k, v in evaluated[-1].items()
+                             if k.startswith("eval/")) if evaluated else ""
+        print(f"[mm-grpo] flow matching: {len(history)} iterations in {seconds:.1f}s; "
+              f"loss first {history[0]['loss']:.4f} -> last {history[-1]['loss']:.4f}"
+              + (f"; held-out evaluation: {held_out}" if held_out else ""), flush=True)
+
+    train_and_report(FlowRun(parse_args(argv)), report)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError) as e:  # configuration problems: one line, non-zero exit
-        print(f"mm-grpo: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_entry(main)

@@ -10,11 +10,8 @@ the end; the run folder (`--tensorboard-dir`, else `--save`) then gets `reward_c
 `before_after.png`.
 """
 import os
-import sys
-import time
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 
 from mm_grpo import get_platform
@@ -24,6 +21,7 @@ from mm_grpo.parallel import initialize_parallel
 from mm_grpo.parallel.pipeline import build_model_chunks
 from mm_grpo.rewards.combined import CombinedReward
 from mm_grpo.training import components
+from mm_grpo.training.entry import run_entry, train_and_report
 from mm_grpo.training.arguments import parse_args
 from mm_grpo.training.checkpointing import load_checkpoint, save_checkpoint
 from mm_grpo.training.evaluation import Evaluator
@@ -65,6 +63,7 @@ class GRPORun:
             guidance_scale=args.guidance_scale, height=height, width=width,
             timestep_selection=args.timestep_selection, timestep_fraction=args.timestep_fraction,
             window_size=args.window_size, window_shift_every=args.window_shift_every,
+            ode_reuse=args.ode_reuse,
             clip_range=args.clip_range, adv_clip_max=args.adv_clip_max, global_std=args.global_std,
             kl_beta=args.kl_beta, updates_per_rollout=args.updates_per_rollout, seed=args.seed)
         self.settings.check(parallel_state.get_data_parallel_world_size())
@@ -174,13 +173,11 @@ class GRPORun:
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    run = GRPORun(args)
-    start = time.time()
-    history = run.train()
-    if dist.get_rank() == dist.get_world_size() - 1 and history:
+    run = GRPORun(parse_args(argv))
+
+    def report(history, seconds):
         first, last = history[0].get("reward/mean"), history[-1].get("reward/mean")
-        print(f"[mm-grpo] {len(history)} iterations in {time.time() - start:.1f}s; "
+        print(f"[mm-grpo] {len(history)} iterations in {seconds:.1f}s; "
               f"mean reward first {first:.4f} -> last {last:.4f}", flush=True)
         if len(run.evaluations) > 1:
             its = sorted(run.evaluations)
@@ -189,13 +186,9 @@ def main(argv=None):
             print(f"[mm-grpo] held-out evaluation ({n} samples, ODE, fixed noise), iteration {its[0]} -> "
                   f"{its[-1]}: " + "; ".join(f"{k[5:]} {before[k]:.4f} -> {after[k]:.4f}" for k in before),
                   flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+
+    train_and_report(run, report)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError) as e:  # configuration problems: one line, non-zero exit
-        print(f"mm-grpo: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_entry(main)

@@ -22,6 +22,7 @@ CHECK_MODULES = [
     "tests.distributed.checks_pp_sp",
     "tests.distributed.checks_convert",
     "tests.distributed.checks_grpo",
+    "tests.distributed.checks_flow",
 ]
 
 _CHECKS = []
