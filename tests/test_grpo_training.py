@@ -7,7 +7,7 @@ import torch
 from mm_grpo.parallel.pipeline import make_velocity_fn
 from mm_grpo.rollout import rollout
 from tests.fixtures import parallel_1proc  # noqa: F401
-from tests.grpo_helpers import grpo_argv, run_grpo, write_configs
+from tests.grpo_helpers import SMOOTH_REWARD, grpo_argv, run_grpo, write_configs
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +127,19 @@ def test_unknown_sampler_and_indivisible_batch(parallel_1proc, configs, capsys):
         _error(grpo_argv(*configs, extra=["--num-generations", "3"]))
     with pytest.raises(ValueError, match="micro-batch size 3"):
         _error(grpo_argv(*configs, extra=["--micro-batch-size", "3"]))
+
+
+def test_held_out_evaluation_and_figures(parallel_1proc, tiny_pipeline_dir, tmp_path):
+    """Evaluation before training and at the end (fixed ODE noise: equal weights give equal
+    scores), and the two PNGs in the run folder."""
+    smooth = write_configs(tmp_path / "cfg", tiny_pipeline_dir, reward=SMOOTH_REWARD)  # JPEG sizes are steps
+    history, run = run_grpo(grpo_argv(*smooth, iters=2, extra=["--eval-interval", "2", "--eval-prompts", "2",
+                                                               "--tensorboard-dir", str(tmp_path)]))
+    assert sorted(run.evaluations) == [0, 2]
+    again = run.evaluator(run.schedule.policy_modules).stats
+    assert again == run.evaluations[2]  # deterministic: same weights, same noise
+    assert run.evaluations[0] != run.evaluations[2]  # the weights moved
+    for name in ("reward_curve.png", "before_after.png"):
+        with open(tmp_path / name, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
+    assert not list(tmp_path.glob("*.tmp.png"))

@@ -1,39 +1,33 @@
 #!/usr/bin/env bash
 # GRPO fine-tuning of FLUX with mm-grpo (DanceGRPO / Flow-GRPO on Megatron).
 #
-#   bash examples/flux/grpo_flux.sh                 # no accelerator: tiny CPU demo, 2 processes
+#   bash examples/flux/grpo_flux.sh                 # no accelerator: the tiny CPU demo, 2 processes
+#                                                   # (GRPO of the shipped tiny shapes FLUX, docs/demo.md)
 #   PIPELINE_DIR=/models/FLUX.1-dev HPS_PATH=/models/HPS_v2.1_compressed.pt \
 #   PROMPT_FILE=prompts.txt NPUS_PER_NODE=8 TP=2 bash examples/flux/grpo_flux.sh [extra trainer args]
 #
 # Settings (environment variables; anything after the script's name goes to the trainer):
 #   PIPELINE_DIR   diffusers FLUX pipeline folder (transformer/, vae/, text encoders)
-#   MODEL_JSON     model.json (default: model.json, or model_tiny.json for the CPU demo)
-#   DATA_JSON      data.json; PROMPT_FILE / EVAL_PROMPT_FILE fill it in
+#   MODEL_JSON     model.json (default: model.json, or model_shapes.json for the CPU demo)
+#   DATA_JSON      data.json (data_shapes.json for the CPU demo); PROMPT_FILE / EVAL_PROMPT_FILE fill it in
 #   LOAD           a converted Megatron checkpoint (mm-convert ... hf_to_mm) to start from,
 #                  or a training checkpoint to resume; SAVE where to save (default: RUN_DIR/ckpt)
 #   HPS_PATH ...   reward weights named in MODEL_JSON
 #   TP PP CP       tensor / pipeline / context(Ulysses) parallel sizes
 #   NPUS_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT   torchrun (multi-node)
-#   GBS MBS G STEPS ITERS LR       batch, micro-batch, generations per prompt, denoising steps,
-#                                  iterations, learning rate
-#   RUN_DIR        output folder (TensorBoard logs, checkpoints, image grids)
+#   GBS MBS G STEPS ITERS LR SEED  batch, micro-batch, generations per prompt, denoising steps,
+#                                  iterations, learning rate, seed
+#   SAMPLER TIMESTEPS CLIP         dance_sde | flow_sde | cps; random | ordered | window; clip range
+#   SAME_NOISE=1   the same initial noise for a prompt's G generations (DanceGRPO's init_same_noise;
+#                  on in the CPU demo)
+#   EVAL_INTERVAL  held-out evaluation (before training, every EVAL_INTERVAL iterations, at the end)
+#   RUN_DIR        output folder (TensorBoard logs, checkpoints, image grids, reward_curve.png and
+#                  before_after.png)
 set -euo pipefail
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$SCRIPT_DIR/../.." && pwd)"
 
-# Python: the current one if it has mm_grpo, else the project's own environment.
-if [ -n "${MM_GRPO_PYTHON:-}" ]; then PY="$MM_GRPO_PYTHON"
-elif python3 -c "import mm_grpo" 2>/dev/null; then PY=python3
-else bash "$REPO/shell/setup_env.sh"; PY="${MM_GRPO_VENV:-$REPO/.venv}/bin/python"; fi
-cd "$REPO"
-DEVICE="$(PYTHONWARNINGS=ignore "$PY" -c 'import mm_grpo; print(mm_grpo.get_platform().name)' 2>/dev/null | tail -n 1)"
-
-if [ "$DEVICE" = "npu" ]; then  # Ascend settings MindSpeed-MM's scripts use
-  export TASK_QUEUE_ENABLE=2 COMBINED_ENABLE=1 CPU_AFFINITY_CONF=1 HCCL_CONNECT_TIMEOUT=1200 HCCL_BUFFSIZE=800
-  export PYTORCH_NPU_ALLOC_CONF=expandable_segments:True
-  source /usr/local/Ascend/ascend-toolkit/set_env.sh 2>/dev/null || true
-fi
-export CUDA_DEVICE_MAX_CONNECTIONS=1
+source "$REPO/shell/launch_env.sh"  # PY, DEVICE, accelerator environment
 
 RUN_DIR="${RUN_DIR:-$REPO/runs/grpo_flux_$(date +%Y%m%d_%H%M%S)}"
 mkdir -p "$RUN_DIR"
@@ -41,14 +35,17 @@ if [ -z "${PIPELINE_DIR:-}" ]; then
   if [ "$DEVICE" != "cpu" ]; then
     echo "grpo_flux.sh: set PIPELINE_DIR to a FLUX pipeline folder (the tiny demo is for CPU)" >&2; exit 2
   fi
-  # The CPU demo: a tiny FLUX pipeline built locally, a reward that needs no weights.
-  export PIPELINE_DIR="$REPO/runs/tiny_pipeline"
-  [ -d "$PIPELINE_DIR" ] || "$PY" -m mm_grpo.pipeline.tiny --out "$PIPELINE_DIR"
-  MODEL_JSON="${MODEL_JSON:-$SCRIPT_DIR/model_tiny.json}"
-  export PROMPT_FILE="${PROMPT_FILE:-$SCRIPT_DIR/prompts_tiny.txt}"
-  export EVAL_PROMPT_FILE="${EVAL_PROMPT_FILE:-$SCRIPT_DIR/eval_prompts_tiny.txt}"
-  NPUS_PER_NODE="${NPUS_PER_NODE:-2}"; ITERS="${ITERS:-60}"; GBS="${GBS:-16}"; MBS="${MBS:-4}"
-  G="${G:-8}"; LR="${LR:-3e-3}"; export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+  # The CPU demo: the tiny shapes FLUX shipped in examples/flux/tiny_shapes (pretrained by
+  # build_tiny_shapes.sh), GRPO with the rule-based compositional reward on caption combinations
+  # never seen in pretraining, evaluated on other held-out ones.
+  export PIPELINE_DIR="$SCRIPT_DIR/tiny_shapes"
+  MODEL_JSON="${MODEL_JSON:-$SCRIPT_DIR/model_shapes.json}"; DATA_JSON="${DATA_JSON:-$SCRIPT_DIR/data_shapes.json}"
+  export PROMPT_FILE="${PROMPT_FILE:-$SCRIPT_DIR/shapes_prompts/grpo.txt}"
+  export EVAL_PROMPT_FILE="${EVAL_PROMPT_FILE:-$SCRIPT_DIR/shapes_prompts/eval.txt}"
+  NPUS_PER_NODE="${NPUS_PER_NODE:-2}"; ITERS="${ITERS:-60}"; GBS="${GBS:-32}"; MBS="${MBS:-4}"
+  G="${G:-8}"; LR="${LR:-3e-5}"; SAME_NOISE="${SAME_NOISE:-1}"
+  EVAL_INTERVAL="${EVAL_INTERVAL:-$ITERS}"; IMAGE_INTERVAL="${IMAGE_INTERVAL:-$ITERS}"
+  EVAL_PROMPTS="${EVAL_PROMPTS:-$(wc -l < "$EVAL_PROMPT_FILE")}"
 fi
 export EVAL_PROMPT_FILE="${EVAL_PROMPT_FILE:-}"
 : "${PROMPT_FILE:?set PROMPT_FILE to a prompt file (one prompt per line, or .jsonl)}"
@@ -63,14 +60,16 @@ DISTRIBUTED_ARGS="--nproc_per_node $NPUS_PER_NODE --nnodes $NNODES --node_rank $
   --master_addr $MASTER_ADDR --master_port $MASTER_PORT"
 GPT_ARGS="--tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP \
   --context-parallel-size $CP --context-parallel-algo ulysses_cp_algo \
-  --micro-batch-size $MBS --global-batch-size $GBS --train-iters $ITERS --seed 1234 \
+  --micro-batch-size $MBS --global-batch-size $GBS --train-iters $ITERS --seed ${SEED:-1234} \
   --lr $LR --weight-decay 1e-4 --adam-beta1 0.9 --adam-beta2 0.999 --clip-grad 1.0"
 [ "$DEVICE" = "cpu" ] || GPT_ARGS="$GPT_ARGS --bf16 --recompute-activations"
 MM_ARGS="--mm-model ${MODEL_JSON:-$SCRIPT_DIR/model.json} --mm-data ${DATA_JSON:-$SCRIPT_DIR/data.json}"
 GRPO_ARGS="--num-generations $G --num-inference-steps $STEPS --sampler ${SAMPLER:-dance_sde} \
-  --timestep-selection ${TIMESTEPS:-random} --timestep-fraction 0.6 --clip-range 1e-4 --adv-clip-max 5"
+  --timestep-selection ${TIMESTEPS:-random} --timestep-fraction 0.6 --clip-range ${CLIP:-1e-4} --adv-clip-max 5 \
+  --eval-prompts ${EVAL_PROMPTS:-8}"
+[ "${SAME_NOISE:-0}" = 1 ] && GRPO_ARGS="$GRPO_ARGS --init-same-noise"
 OUTPUT_ARGS="--save ${SAVE:-$RUN_DIR/ckpt} --save-interval ${SAVE_INTERVAL:-100} --log-interval ${LOG_INTERVAL:-10} \
-  --tensorboard-dir $RUN_DIR/tensorboard --eval-interval ${EVAL_INTERVAL:-20} --save-image-interval 20 \
+  --tensorboard-dir $RUN_DIR --eval-interval ${EVAL_INTERVAL:-20} --save-image-interval ${IMAGE_INTERVAL:-20} \
   --ckpt-format torch"
 [ -n "${LOAD:-}" ] && OUTPUT_ARGS="$OUTPUT_ARGS --load $LOAD"
 

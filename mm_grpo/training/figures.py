@@ -37,9 +37,11 @@ def reward_curve(history: List[Dict], evaluations: Dict[int, Dict[str, float]], 
         window = [sum(ys[max(0, k - smooth + 1):k + 1]) / len(ys[max(0, k - smooth + 1):k + 1]) for k in range(len(ys))]
         ax.plot(its, window, color="tab:blue", lw=2, label=f"train, mean of {smooth}")
     keys = eval_keys or sorted({k for s in evaluations.values() for k in s if k.startswith("eval/")})
+    drawn = []
     for key, color in zip(keys, ("tab:red", "tab:green", "tab:purple", "tab:orange")):
         points = sorted((it, s[key]) for it, s in evaluations.items() if key in s)
-        if points:
+        if points and points not in drawn:  # with one reward, eval/reward_mean repeats it
+            drawn.append(points)
             ax.plot(*zip(*points), "o--", color=color, label=f"held-out {key[5:]}")
     ax.set_xlabel("iteration")
     ax.set_ylabel("reward")
