@@ -28,7 +28,7 @@ def atomic_dir(target: str, overwrite: bool = False):
     """Yields a temporary folder next to `target`; on success it becomes `target`, on error it is removed."""
     target = os.path.abspath(target)
     if os.path.lexists(target) and not overwrite:
-        raise FileExistsError(f"{target} already exists")
+        raise FileExistsError(f"{target} already exists: remove it or choose another output folder")
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=parent)

@@ -19,11 +19,11 @@ import dataclasses
 import json
 import os
 import re
-import shutil
-import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from mm_grpo.checkpoint.atomic import atomic_dir
 
 # Five hues around the colour wheel and two neutral backgrounds: any two of the seven are at
 # least 150 apart in RGB, so nearest-colour classification survives a lossy tiny VAE (with a
@@ -296,15 +296,10 @@ def generate_dataset(out: str, num_images: int, seed: int = 0, config: ShapesCon
     """Write `out`/images/*.png and `out`/metadata.jsonl ({"file_name", "text", ...} per line,
     the layout of diffusers' image-folder datasets) and `out`/dataset.json (how it was made).
     Built in a temporary sibling folder and renamed, so `out` is never half-written."""
-    if os.path.exists(out):
-        raise FileExistsError(f"{out} already exists: remove it or choose another --out")
     if num_images < 1:
         raise ValueError(f"num_images must be >= 1, got {num_images}")
     sampler = CaptionSampler(config, prompts, exclude)
-    parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=parent)
-    try:
+    with atomic_dir(out) as tmp:
         os.makedirs(os.path.join(tmp, "images"))
         with open(os.path.join(tmp, "metadata.jsonl"), "w") as meta:
             for i in range(num_images):
@@ -316,10 +311,6 @@ def generate_dataset(out: str, num_images: int, seed: int = 0, config: ShapesCon
             json.dump({"generator": "mm_grpo.data.shapes", "num_images": num_images, "seed": seed,
                        "config": dataclasses.asdict(config), "num_excluded": len(exclude),
                        "prompts_given": prompts is not None}, f, indent=1)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -11,12 +11,11 @@ T5: a SentencePiece Unigram model, as T5's own), so nothing is downloaded.
 import argparse
 import collections
 import io
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+
+from mm_grpo.checkpoint.atomic import atomic_dir
 
 # Captions the tiny tokenizers are trained on; prompts outside this vocabulary
 # still tokenize (rare characters map to <unk>).
@@ -250,19 +249,9 @@ def build_tiny_pipeline(path, seed=0):
     """Write the tiny FLUX pipeline folder to `path` (which must not exist); returns the path."""
     from diffusers import FluxPipeline
 
-    path = Path(path)
-    if path.exists():
-        raise FileExistsError(f"{path} already exists: remove it or choose another --out")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        pipe = FluxPipeline(**build_tiny_components(seed))
-        pipe.save_pretrained(tmp, safe_serialization=True)
-        os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+    with atomic_dir(path) as tmp:
+        FluxPipeline(**build_tiny_components(seed)).save_pretrained(tmp, safe_serialization=True)
+    return Path(path)
 
 
 def main(argv=None):

@@ -10,13 +10,11 @@ prior, see `local_t5`), a trained VAE and a trained transformer.
 examples/flux/build_tiny_shapes.sh runs the whole recipe.
 """
 import argparse
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from mm_grpo.checkpoint.atomic import atomic_dir
 from mm_grpo.data.shapes import BACKGROUNDS, ShapesConfig, enumerate_prompts
 from mm_grpo.pipeline import tiny
 
@@ -111,18 +109,9 @@ def build_init_pipeline(vae_dir, seed=0, transformer_config=TRANSFORMER_CONFIG):
 
 def save_pipeline(pipe, out):
     """save_pretrained into a temporary sibling folder, renamed into place."""
-    out = Path(out)
-    if out.exists():
-        raise FileExistsError(f"{out} already exists: remove it or choose another --out")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         pipe.save_pretrained(tmp, safe_serialization=True)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return Path(out)
 
 
 def finish_pipeline(init_dir, transformer_dir, out, dtype=torch.float16):

@@ -22,15 +22,13 @@ FLUX's own VAE config arranges.
 import argparse
 import dataclasses
 import math
-import os
-import shutil
-import tempfile
 import time
 from typing import Tuple
 
 import torch
 import torch.nn.functional as F
 
+from mm_grpo.checkpoint.atomic import atomic_dir
 from mm_grpo.data.image_captions import ImageCaptionDataset
 from mm_grpo.pipeline.tiny import VAE_CONFIG
 
@@ -107,17 +105,8 @@ def train_vae(images, settings: VaeTraining = VaeTraining(), log_every=100):
 
 def save_vae(vae, out):
     """vae/ folder written to a temporary sibling and renamed into place."""
-    if os.path.exists(out):
-        raise FileExistsError(f"{out} already exists: remove it or choose another --out")
-    parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=parent)
-    try:
+    with atomic_dir(out) as tmp:
         vae.save_pretrained(tmp, safe_serialization=True)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
