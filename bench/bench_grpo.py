@@ -185,7 +185,7 @@ def report(preset, params, n_txt, n_img, trained, flops, throughputs, summaries,
         f"G={preset.num_generations} x {preset.prompts_per_iteration} prompt(s) = {preset.batch} images, "
         f"N={preset.num_inference_steps}, {trained} trained steps, {'bf16' if preset.bf16 else 'fp32'}, "
         f"{device}, {threads} threads; mm-grpo micro-batch {preset.micro_batch_size}"
-        f"{', recompute' if preset.recompute else ''}",
+        f"{', recompute' if preset.recompute else ''}{', compiled blocks' if preset.compile else ''}",
         f"iteration FLOPs: rollout {flops.rollout / 1e12:.3f} T, train {flops.train / 1e12:.3f} T, "
         f"VAE decode {flops.decode / 1e12:.3f} T; total {flops.total / 1e12:.3f} TFLOP",
         f"matmul throughput: median {throughput / 1e9:.1f} GFLOP/s of {len(throughputs)} "
@@ -224,6 +224,8 @@ def main(argv=None):
     p.add_argument("--mm-micro-batch", type=int, default=None,
                    help="mm-grpo's rollout / training micro-batch (default: the preset's, a whole group)")
     p.add_argument("--mm-recompute", action="store_true", help="mm-grpo with activation checkpointing per block")
+    p.add_argument("--mm-compile", action="store_true",
+                   help="mm-grpo with torch.compile'd blocks (compiled during the warm-up iteration)")
     p.add_argument("--only", choices=IMPLEMENTATIONS, default=None, help="run one implementation (no comparison)")
     p.add_argument("--workdir", default=None, help="pipeline folder and text cache (default $MM_GRPO_BENCH_DIR "
                    "or /tmp/mm_grpo_bench)")
@@ -237,7 +239,8 @@ def main(argv=None):
     platform = mm_grpo.get_platform()
     preset = PRESETS[args.preset]
     preset = dataclasses.replace(preset, micro_batch_size=args.mm_micro_batch or preset.micro_batch_size,
-                                 recompute=args.mm_recompute or preset.recompute)
+                                 recompute=args.mm_recompute or preset.recompute,
+                                 compile=args.mm_compile or preset.compile)
     if preset.bf16 and platform.name == "cpu":
         raise SystemExit(f"preset {preset.name} runs in bf16 and needs an accelerator (megatron-core's linear "
                          "layers do not support bf16 autocast on CPU)")
@@ -279,7 +282,8 @@ def main(argv=None):
         result = dict(preset=preset.name, flops=vars(flops) | {"total": flops.total}, throughput=throughputs,
                       summaries=summaries, equal_work=check, ratio=ratio, loads=loads, threads=args.threads,
                       device=str(platform.device), reference_checkpointing=not args.no_reference_checkpointing,
-                      mm_micro_batch=preset.micro_batch_size, mm_recompute=preset.recompute)
+                      mm_micro_batch=preset.micro_batch_size, mm_recompute=preset.recompute,
+                      mm_compile=preset.compile)
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:
             json.dump(result, f, indent=1, default=float)

@@ -34,6 +34,7 @@ class Preset:
     reward: str = "jpeg_compressibility"
     bf16: bool = False
     recompute: bool = False  # mm-grpo activation checkpointing (the reference always checkpoints)
+    compile: bool = False  # mm-grpo with torch.compile'd blocks (--compile-blocks)
     timestep_fraction: float = 0.6
 
     @property
@@ -127,7 +128,8 @@ def build_mm_grpo(preset: Preset, paths: dict, device, schedule_cls=None, **sett
     from mm_grpo.parallel.pipeline import build_model_chunks
     from mm_grpo.training.optim import build_optimizer, build_scheduler, wrap_ddp
     initialize_parallel(ParallelConfig(), seed=1234)
-    config = FluxConfig.from_diffusers_config(paths["transformer"], bf16=preset.bf16, recompute_blocks=preset.recompute)
+    config = FluxConfig.from_diffusers_config(paths["transformer"], bf16=preset.bf16, recompute_blocks=preset.recompute,
+                                             compile_blocks=preset.compile)
     chunks = [chunk.to(device) for chunk in build_model_chunks(config)]
     load_pretrained(chunks, paths["transformer"])
     policy = wrap_ddp(chunks)

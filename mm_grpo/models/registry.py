@@ -32,7 +32,7 @@ def build_model(model_id, **kwargs):
 def flux_config_from_block(block: dict) -> FluxConfig:
     """The architecture named by a predictor block: `config` (diffusers fields), a `preset`,
     or the `config.json` of `from_pretrained`, plus runtime options."""
-    runtime = {k: block[k] for k in ("recompute_blocks", "bf16") if k in block}
+    runtime = {k: block[k] for k in ("recompute_blocks", "bf16", "compile_blocks") if k in block}
     if "config" in block:
         return FluxConfig.from_diffusers_config(block["config"], **runtime)
     if "preset" in block:

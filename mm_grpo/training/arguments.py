@@ -29,6 +29,8 @@ def _add_megatron_args(p):
     g.add_argument("--bf16", action="store_true", help="bf16 compute with fp32 master weights")
     g.add_argument("--recompute-activations", action="store_true",
                    help="activation checkpointing, one FLUX block at a time")
+    g.add_argument("--compile-blocks", action="store_true",
+                   help="torch.compile each FLUX block (fuses element-wise ops; the first iteration compiles)")
 
     g = p.add_argument_group("optimizer")
     g.add_argument("--optimizer", default="adam", choices=["adam"])

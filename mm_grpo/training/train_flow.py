@@ -134,7 +134,8 @@ class FlowRun:
                              "autocast in their backward, so bf16 autocast fails on CPU (train in fp32 there)")
         predictor = components.block(self.model_cfg, "predictor", "--mm-model")
         self.flux_config = flux_config_from_block(
-            dict(predictor, recompute_blocks=args.recompute_activations, bf16=args.bf16))
+            dict(predictor, recompute_blocks=args.recompute_activations, bf16=args.bf16,
+                 compile_blocks=args.compile_blocks))
         height, width = self.model_cfg.get("image_size", [64, 64])
         if height != width and not args.height:
             raise ValueError(f"image_size {height}x{width}: flow-matching training reads square images "

@@ -45,7 +45,8 @@ class GRPORun:
         # Cheap checks first: configs, prompt files, rewards (weights paths), batch sizes.
         predictor = components.block(self.model_cfg, "predictor", "--mm-model")
         self.flux_config = flux_config_from_block(
-            dict(predictor, recompute_blocks=args.recompute_activations, bf16=args.bf16))
+            dict(predictor, recompute_blocks=args.recompute_activations, bf16=args.bf16,
+                 compile_blocks=args.compile_blocks))
         self.prompts, self.eval_prompts = components.prompt_streams(self.data_cfg, "--mm-data", args.seed)
         height, width = args.height or self.model_cfg.get("image_size", [64, 64])[0], \
             args.width or self.model_cfg.get("image_size", [64, 64])[1]

@@ -33,6 +33,7 @@ class FluxConfig:
     # Runtime options (not part of the checkpoint).
     recompute_blocks: bool = False  # activation checkpointing, one block at a time
     bf16: bool = False  # bf16 autocast around the blocks (RoPE and norms stay fp32)
+    compile_blocks: bool = False  # torch.compile each block: fuses its element-wise chains
 
     def __post_init__(self):
         object.__setattr__(self, "axes_dims_rope", tuple(self.axes_dims_rope))

@@ -112,9 +112,11 @@ class HeadRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(head_dim))
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
 
     def forward(self, x):
-        return kernels.rms_norm(x, copy_to_tensor_model_parallel_region(self.weight), self.eps)
+        weight = copy_to_tensor_model_parallel_region(self.weight, group=self.tp_group)
+        return kernels.rms_norm(x, weight, self.eps)
 
 
 class CoreAttention(nn.Module):
