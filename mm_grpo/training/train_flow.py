@@ -23,7 +23,6 @@ from megatron.core import parallel_state
 
 from mm_grpo import get_platform
 from mm_grpo.data.image_captions import ImageCaptionDataset
-from mm_grpo.models.registry import flux_config_from_block
 from mm_grpo.parallel import initialize_parallel
 from mm_grpo.parallel.pipeline import forward_backward
 from mm_grpo.pipeline.latents import pack_latents
@@ -35,7 +34,7 @@ from mm_grpo.training.evaluation import conditioning, seeded_generator
 from mm_grpo.training.flow_matching import (WEIGHTING_SCHEMES, FlowMatchingSettings, flow_matching_loss,
                                             noisy_latents, sample_sigmas)
 from mm_grpo.training.logging_utils import TrainLogger
-from mm_grpo.training.trainable import build_trainable, parallel_config
+from mm_grpo.training.trainable import build_trainable, parallel_config, run_configs
 
 TRAIN_STREAM = 1  # generator stream of the training noise (evaluation uses its own)
 
@@ -125,17 +124,10 @@ class FlowRun:
 
     def __init__(self, args):
         self.args = args
-        self.model_cfg = components.resolve_paths(args.mm_model_config, os.path.dirname(os.path.abspath(args.mm_model)))
-        self.data_cfg = components.resolve_paths(args.mm_data_config, os.path.dirname(os.path.abspath(args.mm_data)))
-        platform = get_platform()
-        self.device = platform.device
-        if args.bf16 and platform.name == "cpu":
-            raise ValueError("--bf16 training needs an accelerator: megatron-core's linear layers restore CUDA "
-                             "autocast in their backward, so bf16 autocast fails on CPU (train in fp32 there)")
-        predictor = components.block(self.model_cfg, "predictor", "--mm-model")
-        self.flux_config = flux_config_from_block(
-            dict(predictor, recompute_blocks=args.recompute_activations, bf16=args.bf16,
-                 compile_blocks=args.compile_blocks))
+        configs = run_configs(args)
+        self.model_cfg, self.data_cfg, self.flux_config = configs.model, configs.data, configs.flux_config
+        predictor = configs.predictor
+        self.device = get_platform().device
         height, width = self.model_cfg.get("image_size", [64, 64])
         if height != width and not args.height:
             raise ValueError(f"image_size {height}x{width}: flow-matching training reads square images "

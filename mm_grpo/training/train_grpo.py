@@ -16,7 +16,7 @@ from megatron.core import parallel_state
 
 from mm_grpo import get_platform
 from mm_grpo.grpo.schedule import GRPOSchedule, GRPOSettings
-from mm_grpo.models.registry import flux_config_from_block, load_pretrained
+from mm_grpo.models.registry import load_pretrained
 from mm_grpo.parallel import initialize_parallel
 from mm_grpo.parallel.pipeline import build_model_chunks
 from mm_grpo.rewards.combined import CombinedReward
@@ -26,7 +26,7 @@ from mm_grpo.training.arguments import parse_args
 from mm_grpo.training.checkpointing import load_checkpoint, save_checkpoint
 from mm_grpo.training.evaluation import Evaluator
 from mm_grpo.training.logging_utils import TrainLogger, is_logging_rank
-from mm_grpo.training.trainable import build_trainable, parallel_config
+from mm_grpo.training.trainable import build_trainable, parallel_config, run_configs
 
 
 class GRPORun:
@@ -34,19 +34,11 @@ class GRPORun:
 
     def __init__(self, args):
         self.args = args
-        base = os.path.dirname(os.path.abspath(args.mm_model))
-        self.model_cfg = components.resolve_paths(args.mm_model_config, base)
-        self.data_cfg = components.resolve_paths(args.mm_data_config, os.path.dirname(os.path.abspath(args.mm_data)))
-        self.platform = get_platform()
-        self.device = self.platform.device
-        if args.bf16 and self.platform.name == "cpu":
-            raise ValueError("--bf16 training needs an accelerator: megatron-core's linear layers restore CUDA "
-                             "autocast in their backward, so bf16 autocast fails on CPU (train in fp32 there)")
         # Cheap checks first: configs, prompt files, rewards (weights paths), batch sizes.
-        predictor = components.block(self.model_cfg, "predictor", "--mm-model")
-        self.flux_config = flux_config_from_block(
-            dict(predictor, recompute_blocks=args.recompute_activations, bf16=args.bf16,
-                 compile_blocks=args.compile_blocks))
+        configs = run_configs(args)
+        self.model_cfg, self.data_cfg, self.flux_config = configs.model, configs.data, configs.flux_config
+        predictor = configs.predictor
+        self.device = get_platform().device
         self.prompts, self.eval_prompts = components.prompt_streams(self.data_cfg, "--mm-data", args.seed)
         height, width = args.height or self.model_cfg.get("image_size", [64, 64])[0], \
             args.width or self.model_cfg.get("image_size", [64, 64])[1]

@@ -9,13 +9,38 @@ import dataclasses
 import os
 from typing import List, Optional
 
+from mm_grpo import get_platform
 from mm_grpo.checkpoint.metadata import CheckpointMeta
 from mm_grpo.checkpoint.paths import RELEASE, is_megatron_checkpoint, iteration_dir
 from mm_grpo.models.flux.config import FluxConfig
-from mm_grpo.models.registry import load_pretrained
+from mm_grpo.models.registry import flux_config_from_block, load_pretrained
 from mm_grpo.parallel import ParallelConfig
 from mm_grpo.parallel.pipeline import build_model_chunks, resolve_pp_layers
+from mm_grpo.training import components
 from mm_grpo.training.optim import build_optimizer, build_scheduler, wrap_ddp
+
+
+@dataclasses.dataclass
+class RunConfigs:
+    model: dict  # model.json, paths resolved against its folder
+    data: dict  # data.json, likewise
+    predictor: dict  # model.json's predictor block
+    flux_config: FluxConfig  # with the run's runtime options
+
+
+def run_configs(args) -> RunConfigs:
+    """model.json / data.json and the FLUX architecture of a run (GRPO or flow matching);
+    refuses --bf16 on CPU before any work."""
+    folder = lambda path: os.path.dirname(os.path.abspath(path))  # noqa: E731
+    model = components.resolve_paths(args.mm_model_config, folder(args.mm_model))
+    data = components.resolve_paths(args.mm_data_config, folder(args.mm_data))
+    if args.bf16 and get_platform().name == "cpu":
+        raise ValueError("--bf16 training needs an accelerator: megatron-core's linear layers restore CUDA "
+                         "autocast in their backward, so bf16 autocast fails on CPU (train in fp32 there)")
+    predictor = components.block(model, "predictor", "--mm-model")
+    flux_config = flux_config_from_block(dict(predictor, recompute_blocks=args.recompute_activations,
+                                              bf16=args.bf16, compile_blocks=args.compile_blocks))
+    return RunConfigs(model, data, predictor, flux_config)
 
 
 def parallel_config(args, predictor: dict) -> ParallelConfig:
