@@ -129,6 +129,11 @@ def test_unknown_sampler_and_indivisible_batch(parallel_1proc, configs, capsys):
         _error(grpo_argv(*configs, extra=["--micro-batch-size", "3"]))
 
 
+def test_bf16_is_refused_on_cpu_before_any_work(parallel_1proc, configs):
+    with pytest.raises(ValueError, match="--bf16 training needs an accelerator"):
+        _error(grpo_argv(*configs, extra=["--bf16"]))
+
+
 def test_held_out_evaluation_and_figures(parallel_1proc, tiny_pipeline_dir, tmp_path):
     """Evaluation before training and at the end (fixed ODE noise: equal weights give equal
     scores), and the two PNGs in the run folder."""
