@@ -7,6 +7,12 @@ if [ -n "${MM_GRPO_PYTHON:-}" ]; then PY="$MM_GRPO_PYTHON"
 elif python3 -c "import mm_grpo" 2>/dev/null; then PY=python3
 else bash "$REPO/shell/setup_env.sh"; PY="${MM_GRPO_VENV:-$REPO/.venv}/bin/python"; fi
 export MM_GRPO_PYTHON="$PY"
+# Paths the user gave are relative to where the script was started: make them absolute
+# before leaving for the repository (configs resolve the rest against their own folder).
+for var in PIPELINE_DIR DATA_DIR PROMPT_FILE EVAL_PROMPT_FILE MODEL_JSON DATA_JSON LOAD SAVE RUN_DIR HPS_PATH; do
+  value="${!var:-}"
+  if [ -n "$value" ] && [ "${value#/}" = "$value" ]; then printf -v "$var" '%s' "$PWD/$value"; fi
+done
 cd "$REPO"
 DEVICE="$(PYTHONWARNINGS=ignore "$PY" -c 'import mm_grpo; print(mm_grpo.get_platform().name)' 2>/dev/null | tail -n 1)"
 
