@@ -28,6 +28,15 @@ if "test_smooth" not in REWARDS:
 SMOOTH_REWARD = [{"name": "test_smooth", "weight": 1.0}]
 
 
+def write_run_configs(folder, model: dict, data: dict):
+    """model.json and data.json in `folder`; returns their paths."""
+    paths = os.path.join(folder, "model.json"), os.path.join(folder, "data.json")
+    for path, cfg in zip(paths, (model, data)):
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+    return paths
+
+
 def write_configs(folder, pipeline_dir, reward=None, prompts=TRAIN_PROMPTS):
     """model.json, data.json and prompt files for the tiny pipeline; returns (model, data) paths."""
     os.makedirs(folder, exist_ok=True)
@@ -42,11 +51,7 @@ def write_configs(folder, pipeline_dir, reward=None, prompts=TRAIN_PROMPTS):
              "image_size": [32, 32]}
     data = {"dataset_param": {"prompt_file": "prompts.txt", "eval_prompt_file": "eval.txt"},
             "dataloader_param": {"shuffle": True, "seed": 7}}
-    paths = os.path.join(folder, "model.json"), os.path.join(folder, "data.json")
-    for path, cfg in zip(paths, (model, data)):
-        with open(path, "w") as f:
-            json.dump(cfg, f)
-    return paths
+    return write_run_configs(folder, model, data)
 
 
 def grpo_argv(model_json, data_json, iters=2, extra=()):

@@ -4,13 +4,13 @@ Each layout writes its losses and final weights (diffusers names) to $MM_GRPO_TE
 tests/distributed/test_flow_distributed.py compares them with a single-process run. The
 helpers here also build the single-process runs of tests/test_flow_matching.py.
 """
-import json
 import os
 
 import torch
 import torch.distributed as dist
 
 from tests.distributed.worker import check
+from tests.grpo_helpers import write_run_configs
 
 LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"], "sp2": ["--context-parallel-size", "2"],
            "pp2": ["--pipeline-model-parallel-size", "2"], "dp2": []}
@@ -34,11 +34,7 @@ def write_flow_configs(folder, pipeline_dir, num_images=8, reward=None):
         model["reward"] = reward
     data = {"dataset_param": {"data_folder": "data", "cache_features": True},
             "dataloader_param": {"shuffle": True, "seed": 5}}
-    paths = os.path.join(folder, "model.json"), os.path.join(folder, "data.json")
-    for path, cfg in zip(paths, (model, data)):
-        with open(path, "w") as f:
-            json.dump(cfg, f)
-    return paths
+    return write_run_configs(folder, model, data)
 
 
 def flow_argv(model_json, data_json, iters=2, extra=()):
