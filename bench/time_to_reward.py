@@ -1,10 +1,12 @@
 """Time to reward: DanceGRPO-style full mode against the MixGRPO-style sliding window.
 
-    python -m bench.time_to_reward [--iters 40 --window-iters 60 --seeds 1 2 3 --eval-every 4
+    python -m bench.time_to_reward [--preset tiny --iters 40 --window-iters 60 --seeds 1 2 3
+                                    --eval-every 4 --lr 3e-3 --window-size 2
                                     --png docs/time_to_reward.png --json results.json]
 
-Each (mode, seed) trains the tiny pipeline from the same weights with mm-grpo's GRPO schedule
-(JPEG compressibility, lr 3e-3, G = 8, 16 images, N = 8). Training rewards are not
+Each (mode, seed) trains the preset's pipeline from the same weights with mm-grpo's GRPO
+schedule (JPEG compressibility; tiny: lr 3e-3, G = 8, 16 images, N = 8; bench: see
+bench/grpo_setup.py, where training dominates the iteration). Training rewards are not
 comparable between modes: window mode samples with ODE steps outside its window, which
 alone makes images smoother. So every `--eval-every` iterations every run is scored the same
 way, outside the timed clock: deterministic ODE sampling of a fixed set (the 8 prompts x 2
@@ -27,8 +29,8 @@ from mm_grpo.grpo.schedule import draw_noise
 
 MODES = {
     "full": dict(timestep_selection="random"),
-    "window": dict(timestep_selection="window", window_size=2, window_shift_every=25),
-    "window+reuse": dict(timestep_selection="window", window_size=2, window_shift_every=25, ode_reuse=2),
+    "window": dict(timestep_selection="window", window_shift_every=25),  # + --window-size
+    "window+reuse": dict(timestep_selection="window", window_shift_every=25, ode_reuse=2),
 }
 
 
@@ -48,8 +50,8 @@ def evaluate(schedule, samples_per_prompt=2):
     return total.mean().item()
 
 
-def run(preset, paths, mode, seed, iters, eval_every):
-    schedule = build_mm_grpo(preset, paths, torch.device("cpu"), seed=seed, **MODES[mode])
+def run(preset, paths, mode, seed, iters, eval_every, window_size=2):
+    schedule = build_mm_grpo(preset, paths, torch.device("cpu"), seed=seed, window_size=window_size, **MODES[mode])
     curve = [dict(iteration=0, wall=0.0, eval=evaluate(schedule))]
     wall = 0.0
     for it in range(iters):
@@ -121,6 +123,9 @@ def plot(results, means, target, path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=("tiny", "bench"), default="tiny")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the preset's)")
+    p.add_argument("--window-size", type=int, default=2, help="SDE steps in the window modes")
     p.add_argument("--iters", type=int, default=40, help="full-mode iterations (K)")
     p.add_argument("--window-iters", type=int, default=None, help="window-mode iterations (default: --iters)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
@@ -131,17 +136,20 @@ def main(argv=None):
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     import mm_grpo  # noqa: F401
-    preset = PRESETS["tiny"]
+    preset = PRESETS[args.preset]
+    if args.lr is not None:
+        preset = dataclasses.replace(preset, lr=args.lr)
     paths = prepare(preset, default_workdir())
     iters = {mode: args.iters if mode == "full" else args.window_iters or args.iters for mode in MODES}
     results = {mode: [] for mode in MODES}
     for seed in args.seeds:  # modes alternate, so load changes hit both alike
         for mode in MODES:
-            results[mode].append(run(preset, paths, mode, seed, iters[mode], args.eval_every))
+            results[mode].append(run(preset, paths, mode, seed, iters[mode], args.eval_every, args.window_size))
     means = {mode: mean_curve(curves) for mode, curves in results.items()}
     target = means["full"][-1]["eval"]
     reach = {mode: time_to_reach(means[mode], target) for mode in MODES}
-    summary = dict(K=args.iters, target=target, time_to_target=reach,
+    summary = dict(preset=preset.name, lr=preset.lr, window_size=args.window_size, K=args.iters, target=target,
+                   time_to_target=reach,
                    ratio_to_full={m: reach[m] / reach["full"] if reach[m] else None for m in MODES},
                    seconds_per_iteration={m: seconds_per_iteration(results[m]) for m in MODES},
                    final_eval={m: means[m][-1]["eval"] for m in MODES}, load=os.getloadavg())
