@@ -5,14 +5,14 @@
 
 Draws `--batches` independent rollouts of the same prompts (one iteration's worth from the
 prompt file) at the same weights (one process, no optimizer step) and compares their policy
-gradients. If a batch of n samples has
-gradient g = s + noise, with per-sample signal-to-noise rho = |s|^2 / E|noise_1|^2, then two
-independent batch means of n samples each have cosine about n rho / (n rho + 1). From the
-cosine of the two halves' means this prints rho, and the samples per update for which a batch
-gradient points within 60 degrees of the true one (cosine 0.5: n rho = 1/3). "Adam view"
-repeats it with every coordinate divided by its RMS over the batches (what Adam's update
-sees). Also: the fraction of coordinates whose mean is 3 standard errors from 0 (chance
-for a t distribution with batches - 1 degrees of freedom printed alongside).
+gradients. If a batch of n samples has gradient g = s + noise, with per-sample
+signal-to-noise rho = |s|^2 / E|noise_1|^2, two independent batch means of n samples each have
+cosine about n rho / (n rho + 1). From the cosine of the two halves' means this prints rho,
+and the samples per update for which a batch gradient points within 60 degrees of the true
+one (cosine 0.5: n rho = 1/3). "adam" repeats it with every coordinate divided by its RMS over
+the batches (what Adam's update sees). Also: the fraction of coordinates whose mean is 3
+standard errors from 0, with the chance level of a t distribution with batches - 1 degrees
+of freedom.
 See docs/demo.md ("Why GRPO does not move the tiny model").
 """
 import argparse
