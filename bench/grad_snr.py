@@ -64,6 +64,9 @@ def report(grads: torch.Tensor, samples_per_batch: int) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", type=int, default=16, help="independent rollouts (even, >= 4)")
+    p.add_argument("--fixed-init-noise", action="store_true",
+                   help="the same initial noise in every batch (only the SDE noise differs): the signal "
+                        "for these particular starting points rather than for the prompts")
     p.add_argument("trainer_args", nargs=argparse.REMAINDER, help="after --: the GRPO trainer's arguments")
     a = p.parse_args(argv)
     if a.batches < 4 or a.batches % 2:
@@ -78,6 +81,10 @@ def main(argv=None):
     s = run.schedule
     n_prompts = s.s.prompts_per_iteration
     prompts = run.prompts.next_batch(n_prompts)  # the same prompts for every batch
+    if a.fixed_init_noise:
+        draw = s.noise
+        s.noise = lambda iteration, samples, channels: (draw(0, samples, channels)[0],
+                                                        draw(iteration, samples, channels)[1])
     grads, rewards = [], []
     for i in range(a.batches):
         updates, stats = s.prepare(i, prompts)

@@ -111,6 +111,21 @@ def test_missing_or_empty_prompt_file(parallel_1proc, configs, tmp_path):
             _error(grpo_argv(model, str(tmp_path / "data.json")))
 
 
+def test_config_paths_resolve_like_a_shell(tmp_path, monkeypatch):
+    from mm_grpo.training.components import resolve_paths
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PIPELINE_DIR", "models/flux")
+    cfg = {"ae": {"from_pretrained": "$PIPELINE_DIR"}, "predictor": {"from_pretrained": "weights/transformer"},
+           "reward": [{"name": "hps", "path": "/abs/hps.pt"}], "comment": "$PIPELINE_DIR stays a string"}
+    out = resolve_paths(cfg, "/configs")
+    assert out["ae"]["from_pretrained"] == str(tmp_path / "models/flux")  # set in the shell: from the cwd
+    assert out["predictor"]["from_pretrained"] == "/configs/weights/transformer"  # written in the JSON
+    assert out["reward"][0]["path"] == "/abs/hps.pt" and out["comment"] == "models/flux stays a string"
+    monkeypatch.delenv("PIPELINE_DIR")
+    with pytest.raises(ValueError, match="undefined environment variable in config value '\\$PIPELINE_DIR'"):
+        resolve_paths(cfg, "/configs")
+
+
 def test_reward_errors(parallel_1proc, tiny_pipeline_dir, tmp_path):
     for reward, message in (([{"name": "hps", "path": str(tmp_path / "missing.pt")}], "missing.pt"),
                             ([{"name": "beauty"}], "beauty")):

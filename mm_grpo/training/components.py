@@ -10,32 +10,41 @@ model.json:
 data.json:
   {"dataset_param": {"prompt_file": ..., "eval_prompt_file": ...},
    "dataloader_param": {"shuffle": true, "seed": 1234}}
-String values may use $VARIABLES from the environment; relative paths are taken from the
-folder of the JSON file.
+String values may use $VARIABLES from the environment. Relative paths written in the JSON are
+taken from the JSON file's folder; a path that starts with a variable ("$PIPELINE_DIR/vae") is
+taken from the working directory, as the shell that set the variable would.
 """
 import os
 
 from mm_grpo.data import PromptStream, read_prompts
 
+PATH_KEYS = ("from_pretrained", "path")
+PATH_SUFFIXES = ("_file", "_path", "_cache")
+
+
+def _expand(value: str) -> str:
+    expanded = os.path.expandvars(value)
+    if "$" in expanded:
+        raise ValueError(f"undefined environment variable in config value {value!r}")
+    return expanded
+
+
+def _absolute(value: str, base_dir: str) -> str:
+    expanded = _expand(value)
+    if os.path.isabs(expanded):
+        return expanded
+    return os.path.normpath(os.path.join(os.getcwd() if value.startswith("$") else base_dir, expanded))
+
 
 def resolve_paths(config, base_dir):
     """Expand $VARS, and make relative `*path*` / `from_pretrained` / `*_file` entries absolute."""
     if isinstance(config, dict):
-        out = {}
-        for k, v in config.items():
-            v = resolve_paths(v, base_dir)
-            if isinstance(v, str) and v and (k in ("from_pretrained", "path") or k.endswith(("_file", "_path",
-                                                                                                "_cache"))):
-                v = v if os.path.isabs(v) else os.path.normpath(os.path.join(base_dir, v))
-            out[k] = v
-        return out
+        return {k: _absolute(v, base_dir) if isinstance(v, str) and v and (k in PATH_KEYS or k.endswith(PATH_SUFFIXES))
+                else resolve_paths(v, base_dir) for k, v in config.items()}
     if isinstance(config, list):
         return [resolve_paths(v, base_dir) for v in config]
     if isinstance(config, str):
-        expanded = os.path.expandvars(config)
-        if "$" in expanded:
-            raise ValueError(f"undefined environment variable in config value {config!r}")
-        return expanded
+        return _expand(config)
     return config
 
 
