@@ -13,7 +13,7 @@ one (cosine 0.5: n rho = 1/3). "adam" repeats it with every coordinate divided b
 the batches (what Adam's update sees). Also: the fraction of coordinates whose mean is 3
 standard errors from 0, with the chance level of a t distribution with batches - 1 degrees
 of freedom.
-See docs/demo.md ("Why GRPO does not move the tiny model").
+See docs/demo.md ("Why small batches do not move the tiny model").
 """
 import argparse
 import itertools

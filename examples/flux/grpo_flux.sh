@@ -2,7 +2,8 @@
 # GRPO fine-tuning of FLUX with mm-grpo (DanceGRPO / Flow-GRPO on Megatron).
 #
 #   bash examples/flux/grpo_flux.sh                 # no accelerator: the tiny CPU demo, 2 processes
-#                                                   # (GRPO of the shipped tiny shapes FLUX, docs/demo.md)
+#                                                   # (GRPO of the shipped tiny shapes FLUX, docs/demo.md;
+#                                                   # ~16 min on 2 cores; ITERS=60 GBS=32: a 3-min look)
 #   PIPELINE_DIR=/models/FLUX.1-dev HPS_PATH=/models/HPS_v2.1_compressed.pt \
 #   PROMPT_FILE=prompts.txt NPUS_PER_NODE=8 TP=2 bash examples/flux/grpo_flux.sh [extra trainer args]
 #
@@ -42,9 +43,11 @@ if [ -z "${PIPELINE_DIR:-}" ]; then
   MODEL_JSON="${MODEL_JSON:-$SCRIPT_DIR/model_shapes.json}"; DATA_JSON="${DATA_JSON:-$SCRIPT_DIR/data_shapes.json}"
   export PROMPT_FILE="${PROMPT_FILE:-$SCRIPT_DIR/shapes_prompts/grpo.txt}"
   export EVAL_PROMPT_FILE="${EVAL_PROMPT_FILE:-$SCRIPT_DIR/shapes_prompts/eval.txt}"
-  NPUS_PER_NODE="${NPUS_PER_NODE:-2}"; ITERS="${ITERS:-60}"; GBS="${GBS:-32}"; MBS="${MBS:-4}"
-  G="${G:-8}"; LR="${LR:-3e-5}"; SAME_NOISE="${SAME_NOISE:-1}"
-  EVAL_INTERVAL="${EVAL_INTERVAL:-$ITERS}"; IMAGE_INTERVAL="${IMAGE_INTERVAL:-$ITERS}"
+  # 32 prompts x G 8 per update: at 32-64 images an update is mostly noise for this reward
+  # (bench/grad_snr.py); 100 updates of 256 images move the held-out score (docs/demo.md).
+  NPUS_PER_NODE="${NPUS_PER_NODE:-2}"; ITERS="${ITERS:-100}"; GBS="${GBS:-256}"; MBS="${MBS:-8}"
+  G="${G:-8}"; LR="${LR:-5e-5}"; SAME_NOISE="${SAME_NOISE:-1}"
+  EVAL_INTERVAL="${EVAL_INTERVAL:-50}"; IMAGE_INTERVAL="${IMAGE_INTERVAL:-$ITERS}"
   EVAL_PROMPTS="${EVAL_PROMPTS:-$(wc -l < "$EVAL_PROMPT_FILE")}"
 fi
 export EVAL_PROMPT_FILE="${EVAL_PROMPT_FILE:-}"
