@@ -29,6 +29,10 @@ def _expand(value: str) -> str:
     return expanded
 
 
+def _is_path(key: str, value) -> bool:
+    return isinstance(value, str) and bool(value) and (key in PATH_KEYS or key.endswith(PATH_SUFFIXES))
+
+
 def _absolute(value: str, base_dir: str) -> str:
     expanded = _expand(value)
     if os.path.isabs(expanded):
@@ -39,8 +43,7 @@ def _absolute(value: str, base_dir: str) -> str:
 def resolve_paths(config, base_dir):
     """Expand $VARS, and make relative `*path*` / `from_pretrained` / `*_file` entries absolute."""
     if isinstance(config, dict):
-        return {k: _absolute(v, base_dir) if isinstance(v, str) and v and (k in PATH_KEYS or k.endswith(PATH_SUFFIXES))
-                else resolve_paths(v, base_dir) for k, v in config.items()}
+        return {k: _absolute(v, base_dir) if _is_path(k, v) else resolve_paths(v, base_dir) for k, v in config.items()}
     if isinstance(config, list):
         return [resolve_paths(v, base_dir) for v in config]
     if isinstance(config, str):
