@@ -9,7 +9,7 @@ import torch
 from mm_grpo.data import shapes
 from mm_grpo.data.shapes import CaptionSampler, ObjectSpec, PlacedObject, PromptSpec, Scene, render, sample_scene
 from mm_grpo.rewards import CombinedReward, build_reward
-from mm_grpo.rewards.compositional import _components, check, detect, reference_levels, score
+from mm_grpo.rewards.compositional import _components, atom_names, breakdown, check, detect, reference_levels, score
 
 
 def _pixels(*scenes):
@@ -67,8 +67,8 @@ def test_detector_recovers_every_object_of_generated_scenes():
             # a triangle's centroid lies a sixth of its height below its box centre
             cy = truth.cy + (truth.size / 6 if truth.shape == "triangle" else 0)
             assert math.hypot(match.cx - truth.cx, match.cy - cy) < 1.0
-    frac, acc = score(_pixels(*scenes), captions)
-    assert frac.tolist() == [1.0] * 200 and acc.tolist() == [1.0] * 200
+    scores = score(_pixels(*scenes), captions)
+    assert scores.fraction.tolist() == scores.accuracy.tolist() == scores.f1.tolist() == [1.0] * 200
 
 
 def _scene(*objects, background="white"):
@@ -76,45 +76,62 @@ def _scene(*objects, background="white"):
 
 
 PROMPT = "a red circle above a blue square"
-CASES = [  # (scene, atoms: present/count red circle, present/count blue square, relation, nothing else)
-    (_scene(("red", "circle", 30, 12), ("blue", "square", 30, 45)), [True] * 6),
-    (_scene(("red", "circle", 30, 45), ("blue", "square", 30, 12)), [True] * 4 + [False, True]),  # below
-    (_scene(("green", "circle", 30, 12), ("blue", "square", 30, 45)), [False, False, True, True, False, False]),
-    (_scene(("red", "square", 30, 12), ("blue", "circle", 30, 45)), [False, False, False, False, False, False]),
+CASES = [  # (scene, atoms: present/count red circle, present/count blue square, relation, nothing else; F1 score)
+    (_scene(("red", "circle", 30, 12), ("blue", "square", 30, 45)), [True] * 6, 1.0),
+    (_scene(("red", "circle", 30, 45), ("blue", "square", 30, 12)), [True] * 4 + [False, True], 0.5),  # below
+    (_scene(("green", "circle", 30, 12), ("blue", "square", 30, 45)), [False, False, True, True, False, False],
+     0.25),  # F1 1/2, relation missed
+    (_scene(("red", "square", 30, 12), ("blue", "circle", 30, 45)), [False, False, False, False, False, False], 0.0),
     (_scene(("red", "circle", 12, 12), ("red", "circle", 50, 12), ("blue", "square", 30, 45)),
-     [True, False, True, True, True, True]),  # two red circles
+     [True, False, True, True, True, True], 0.8),  # two red circles: 2 matched of 3 found, 2 named
     (_scene(("red", "circle", 30, 12), ("blue", "square", 30, 45), ("yellow", "triangle", 52, 52)),
-     [True] * 5 + [False]),  # an extra object
-    (_scene(), [False] * 6),  # nothing drawn scores 0
+     [True] * 5 + [False], 0.8),  # an extra object
+    (_scene(), [False] * 6, 0.0),  # nothing drawn scores 0
 ]
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_atoms_of_crafted_scenes(case):
-    scene, expected = CASES[case]
+    scene, expected, expected_f1 = CASES[case]
     objects, backgrounds = detect(_pixels(scene))
     assert check(PromptSpec.parse(PROMPT), objects[0], backgrounds[0]) == expected
-    frac, acc = score(_pixels(scene), [PROMPT])
+    frac, acc, f1 = score(_pixels(scene), [PROMPT])
     assert frac.item() == pytest.approx(sum(expected) / len(expected)) and acc.item() == float(all(expected))
+    assert f1.item() == pytest.approx(expected_f1)
+
+
+def test_breakdown_tallies_atoms_families_and_drawn_objects():
+    stats = breakdown(_pixels(*(c[0] for c in CASES)), [PROMPT] * len(CASES))
+    names = atom_names(PromptSpec.parse(PROMPT))
+    for name in set(names):
+        met = [m for _, atoms, _ in CASES for n, m in zip(names, atoms) if n == name]
+        assert stats[f"atom: {name}"] == (pytest.approx(sum(met) / len(met)), len(met))
+    assert stats["accuracy: relation"] == (pytest.approx(1 / 7), 7)
+    drawn = [stats[f"two objects: {n} named drawn"][0] for n in range(3)]
+    assert drawn == pytest.approx([2 / 7, 1 / 7, 4 / 7])  # empty + swapped; green circle; the rest
+    assert stats["two objects: others drawn too"][0] == pytest.approx(3 / 7)
 
 
 def test_counts_and_background_atoms():
     three = _scene(("yellow", "triangle", 12, 20), ("yellow", "triangle", 32, 20), ("yellow", "triangle", 52, 20),
                    background="black")
-    frac, acc = score(_pixels(three, three, three), ["three yellow triangles", "two yellow triangles",
-                                                      "three yellow triangles on a white background"])
+    frac, acc, f1 = score(_pixels(three, three, three), ["three yellow triangles", "two yellow triangles",
+                                                         "three yellow triangles on a white background"])
     assert frac.tolist() == pytest.approx([1.0, 2 / 3, 3 / 4]) and acc.tolist() == [1.0, 0.0, 0.0]
+    assert f1.tolist() == pytest.approx([1.0, 0.8, 0.5])  # 2 of 3 matched; background missed
 
 
 def test_registered_rewards_and_their_interface():
     pixels = _pixels(*(c[0] for c in CASES))
     prompts = [PROMPT] * len(CASES)
     combined = CombinedReward.from_configs([{"name": "compositional"},
-                                            {"name": "compositional_accuracy", "weight": 0.0}])
+                                            {"name": "compositional_accuracy", "weight": 0.0},
+                                            {"name": "compositional_f1", "weight": 0.0}])
     total, values = combined(pixels, prompts)
-    expected = torch.tensor([sum(e) / len(e) for _, e in CASES])
+    expected = torch.tensor([sum(e) / len(e) for _, e, _ in CASES])
     assert torch.allclose(total, expected) and torch.allclose(values["compositional"], expected)
     assert values["compositional_accuracy"].tolist() == [1.0] + [0.0] * (len(CASES) - 1)
+    assert values["compositional_f1"].tolist() == pytest.approx([f1 for _, _, f1 in CASES])
     reward = build_reward({"name": "compositional"})
     pixels[1, 0, 0, 0] = float("nan")
     assert math.isnan(reward(pixels[:2], prompts[:2])[1].item())

@@ -15,13 +15,18 @@ checked atom by atom, as GenEval checks its tasks:
     background         the most frequent neutral colour, if the prompt names one
 
 `compositional` is the fraction of atoms met (a dense reward for GRPO);
-`compositional_accuracy` is 1 when all are met (GenEval's accuracy). No weights.
+`compositional_accuracy` is 1 when all are met (GenEval's accuracy). `compositional_f1` is
+the objects' F1 (named instances matched one to one by colour and shape) halved for a
+missed relation or background: partial credit that extra or mis-bound objects cannot buy
+(with the atom fraction, drawing more objects gains "present" atoms at the cost of one
+"nothing else"). All three are 1 exactly when the prompt is met. No weights.
 
     python -m mm_grpo.rewards.compositional --prompts eval.txt [--pipeline DIR]   # chance and ceilings
 """
 import argparse
+import collections
 import dataclasses
-from typing import List, Sequence, Tuple
+from typing import List, NamedTuple, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -131,6 +136,12 @@ def relation_met(a: Detection, b: Detection, relation: str, margin: float) -> bo
     return sign * ((a.cx - b.cx), (a.cy - b.cy))[axis] > margin
 
 
+def _relation_atom(spec: PromptSpec, objects: Sequence[Detection], cfg: DetectorConfig) -> bool:
+    largest = [max((o for o in objects if (o.color, o.shape) == (g.color, g.shape)), key=lambda o: o.area,
+                   default=None) for g in spec.objects]
+    return None not in largest and relation_met(*largest, spec.relation, cfg.relation_margin)
+
+
 def check(spec: PromptSpec, objects: Sequence[Detection], background: str,
           cfg: DetectorConfig = DetectorConfig()) -> List[bool]:
     """The prompt's atoms, each met or not (see the module docstring)."""
@@ -139,9 +150,7 @@ def check(spec: PromptSpec, objects: Sequence[Detection], background: str,
         n = sum(o.color == group.color and o.shape == group.shape for o in objects)
         atoms += [n >= 1, n == group.count]
     if spec.relation:
-        largest = [max((o for o in objects if (o.color, o.shape) == (g.color, g.shape)), key=lambda o: o.area,
-                       default=None) for g in spec.objects]
-        atoms.append(None not in largest and relation_met(*largest, spec.relation, cfg.relation_margin))
+        atoms.append(_relation_atom(spec, objects, cfg))
     named = {(g.color, g.shape) for g in spec.objects}
     atoms.append(bool(objects) and all((o.color, o.shape) in named for o in objects))
     if spec.background:
@@ -149,13 +158,63 @@ def check(spec: PromptSpec, objects: Sequence[Detection], background: str,
     return atoms
 
 
-def score(images: torch.Tensor, prompts: Sequence[str], cfg: DetectorConfig = DetectorConfig()):
-    """(fraction of atoms met [B], all atoms met [B]) as float32 tensors."""
+def f1_score(spec: PromptSpec, objects: Sequence[Detection], background: str,
+             cfg: DetectorConfig = DetectorConfig()) -> float:
+    """F1 of the objects (2 matched / (found + named)), x 1/2 for each scene atom missed."""
+    matched = sum(min(group.count, sum((o.color, o.shape) == (group.color, group.shape) for o in objects))
+                  for group in spec.objects)
+    named = sum(group.count for group in spec.objects)
+    missed = [spec.relation and not _relation_atom(spec, objects, cfg),
+              spec.background and background != spec.background]
+    return 2 * matched / (len(objects) + named) * 0.5 ** sum(map(bool, missed))
+
+
+def atom_names(spec: PromptSpec) -> List[str]:
+    """Names of `check`'s atoms, in its order."""
+    names = ["present", "count"] * len(spec.objects) + (["relation"] if spec.relation else []) + ["nothing else"]
+    return names + (["background"] if spec.background else [])
+
+
+def breakdown(images: torch.Tensor, prompts: Sequence[str], cfg: DetectorConfig = DetectorConfig()):
+    """{name: (rate, number of cases)}: how often each atom is met, prompts met per family, and,
+    for two-object prompts, how many of the two named objects were drawn (0, 1, 2) and how
+    often objects the prompt does not name were drawn too."""
+    tally = collections.defaultdict(lambda: [0, 0])
+
+    def add(name, met):
+        tally[name][0] += bool(met)
+        tally[name][1] += 1
+
+    objects, backgrounds = detect(images, cfg)
+    for prompt, found, background in zip(prompts, objects, backgrounds):
+        spec = PromptSpec.parse(prompt)
+        atoms = check(spec, found, background, cfg)
+        for name, met in zip(atom_names(spec), atoms):
+            add(f"atom: {name}", met)
+        add(f"accuracy: {spec.family}", all(atoms))
+        if len(spec.objects) == 2:
+            kinds = {(o.color, o.shape) for o in found}
+            drawn = sum((g.color, g.shape) in kinds for g in spec.objects)
+            for n in range(3):
+                add(f"two objects: {n} named drawn", drawn == n)
+            add("two objects: others drawn too", len(kinds - {(g.color, g.shape) for g in spec.objects}) > 0)
+    return {name: (met / n, n) for name, (met, n) in sorted(tally.items())}
+
+
+class Scores(NamedTuple):
+    fraction: torch.Tensor  # [B] atoms met / atoms
+    accuracy: torch.Tensor  # [B] 1 if all atoms are met
+    f1: torch.Tensor  # [B] `f1_score`
+
+
+def score(images: torch.Tensor, prompts: Sequence[str], cfg: DetectorConfig = DetectorConfig()) -> Scores:
+    """The three scores of each image (float32)."""
     specs = [PromptSpec.parse(p) for p in prompts]
     objects, backgrounds = detect(images, cfg)
     atoms = [check(s, o, bg, cfg) for s, o, bg in zip(specs, objects, backgrounds)]
     frac = torch.tensor([sum(a) / len(a) for a in atoms], dtype=torch.float32)
-    return frac, torch.tensor([float(all(a)) for a in atoms])
+    f1 = torch.tensor([f1_score(s, o, bg, cfg) for s, o, bg in zip(specs, objects, backgrounds)], dtype=torch.float32)
+    return Scores(frac, torch.tensor([float(all(a)) for a in atoms]), f1)
 
 
 @register_reward("compositional")
@@ -163,7 +222,7 @@ class CompositionalReward(Reward):
     """Fraction of the prompt's atoms met, in [0, 1]."""
 
     def score(self, images, prompts):
-        return score(images, prompts)[0]
+        return score(images, prompts).fraction
 
 
 @register_reward("compositional_accuracy")
@@ -171,7 +230,15 @@ class CompositionalAccuracy(Reward):
     """1 if every atom of the prompt is met, else 0 (GenEval's per-image accuracy)."""
 
     def score(self, images, prompts):
-        return score(images, prompts)[1]
+        return score(images, prompts).accuracy
+
+
+@register_reward("compositional_f1")
+class CompositionalF1(Reward):
+    """Objects' F1 against the prompt, halved per missed relation or background, in [0, 1]."""
+
+    def score(self, images, prompts):
+        return score(images, prompts).f1
 
 
 # --- reference levels ------------------------------------------------------------------
@@ -204,8 +271,8 @@ def reference_levels(prompts: Sequence[str], samples: int = 4, seed: int = 0, co
     out = {}
     for name in ("ceiling", "vae_ceiling", "chance"):
         if name in drawn:
-            frac, acc = score(drawn[name], asked)
-            out[name] = (frac.mean().item(), acc.mean().item())
+            scores = score(drawn[name], asked)
+            out[name] = (scores.fraction.mean().item(), scores.accuracy.mean().item())
     return out
 
 
