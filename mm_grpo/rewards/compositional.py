@@ -136,9 +136,13 @@ def relation_met(a: Detection, b: Detection, relation: str, margin: float) -> bo
     return sign * ((a.cx - b.cx), (a.cy - b.cy))[axis] > margin
 
 
+def _instances(group, objects: Sequence[Detection]) -> List[Detection]:
+    """The detections of a prompt's object group (same colour and shape)."""
+    return [o for o in objects if (o.color, o.shape) == (group.color, group.shape)]
+
+
 def _relation_atom(spec: PromptSpec, objects: Sequence[Detection], cfg: DetectorConfig) -> bool:
-    largest = [max((o for o in objects if (o.color, o.shape) == (g.color, g.shape)), key=lambda o: o.area,
-                   default=None) for g in spec.objects]
+    largest = [max(_instances(g, objects), key=lambda o: o.area, default=None) for g in spec.objects]
     return None not in largest and relation_met(*largest, spec.relation, cfg.relation_margin)
 
 
@@ -147,7 +151,7 @@ def check(spec: PromptSpec, objects: Sequence[Detection], background: str,
     """The prompt's atoms, each met or not (see the module docstring)."""
     atoms = []
     for group in spec.objects:
-        n = sum(o.color == group.color and o.shape == group.shape for o in objects)
+        n = len(_instances(group, objects))
         atoms += [n >= 1, n == group.count]
     if spec.relation:
         atoms.append(_relation_atom(spec, objects, cfg))
@@ -161,8 +165,7 @@ def check(spec: PromptSpec, objects: Sequence[Detection], background: str,
 def f1_score(spec: PromptSpec, objects: Sequence[Detection], background: str,
              cfg: DetectorConfig = DetectorConfig()) -> float:
     """F1 of the objects (2 matched / (found + named)), x 1/2 for each scene atom missed."""
-    matched = sum(min(group.count, sum((o.color, o.shape) == (group.color, group.shape) for o in objects))
-                  for group in spec.objects)
+    matched = sum(min(group.count, len(_instances(group, objects))) for group in spec.objects)
     named = sum(group.count for group in spec.objects)
     missed = [spec.relation and not _relation_atom(spec, objects, cfg),
               spec.background and background != spec.background]
