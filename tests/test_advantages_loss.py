@@ -1,4 +1,5 @@
-"""Group advantages (single process and gathered over 2 gloo ranks) and the PPO-clip loss."""
+"""Group advantages (single process and gathered over 2 gloo ranks), the PPO-clip loss and
+advantage-weighted matching."""
 import math
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mm_grpo.grpo import NonFiniteRewardError, group_advantages, grpo_loss
+from mm_grpo.grpo import NonFiniteRewardError, awm_loss, group_advantages, grpo_loss
 
 
 def test_hand_computed_advantages():
@@ -158,3 +159,40 @@ def test_loss_bad_input():
         grpo_loss(torch.zeros(3), torch.zeros(3), torch.zeros(3), kl_beta=0.1)
     with pytest.raises(ValueError, match="clip_range > 0"):
         grpo_loss(torch.zeros(3), torch.zeros(3), torch.zeros(3), clip_range=0.0)
+
+
+def test_awm_loss_is_the_advantage_weighted_flow_matching_loss():
+    g = torch.Generator().manual_seed(0)
+    v, x0, noise, ref_v = (torch.randn(3, 5, 4, generator=g) for _ in range(4))
+    adv = torch.tensor([1.5, -0.5, 0.0])
+    v.requires_grad_()
+    loss, stats = awm_loss(v, x0, noise, adv, kl_beta=0.1, ref_v=ref_v)
+    fm = [((v[b] - (noise[b] - x0[b])) ** 2).mean().item() for b in range(3)]
+    kl = ((v - ref_v) ** 2).mean().item()
+    assert loss.item() == pytest.approx(sum(a * f for a, f in zip(adv.tolist(), fm)) / 3 + 0.1 * kl, rel=1e-6)
+    assert stats["fm_loss"].item() == pytest.approx(sum(fm) / 3, rel=1e-6)
+    assert stats["kl"].item() == pytest.approx(kl, rel=1e-6)
+    loss.backward()  # a zero advantage leaves only the KL pull on its row
+    torch.testing.assert_close(v.grad[2], 0.1 * 2 * (v[2] - ref_v[2]).detach() / v.numel())
+
+
+def test_awm_step_pulls_towards_better_samples_and_away_from_worse():
+    """A gradient step on a learnable velocity moves it towards the target of the sample with the
+    positive advantage and away from the one with the negative advantage."""
+    g = torch.Generator().manual_seed(1)
+    x0, noise = torch.randn(2, 6, 4, generator=g), torch.randn(2, 6, 4, generator=g)
+    v = torch.zeros(2, 6, 4, requires_grad=True)
+    loss, _ = awm_loss(v, x0, noise, torch.tensor([1.0, -1.0]))
+    loss.backward()
+    stepped = v.detach() - 0.1 * v.grad
+    err = lambda w, b: ((w[b] - (noise[b] - x0[b])) ** 2).mean().item()  # noqa: E731
+    assert err(stepped, 0) < err(v.detach(), 0)
+    assert err(stepped, 1) > err(v.detach(), 1)
+
+
+def test_awm_loss_bad_input():
+    with pytest.raises(ValueError, match="equal \\[B, ...\\] shapes") as info:
+        awm_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 4), torch.zeros(2))
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="reference velocity when kl_beta > 0"):
+        awm_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2), kl_beta=0.1)

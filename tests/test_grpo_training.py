@@ -91,6 +91,32 @@ def test_non_finite_reward_or_loss_skips_the_iteration(parallel_1proc, configs):
     assert any(not torch.equal(before[n], w) for n, w in _weights(run).items())
 
 
+def test_awm_trains_on_the_rollout_samples_renoised_to_the_trained_steps(parallel_1proc, configs):
+    """--policy-loss awm: each micro-batch is the decoded sample x0 re-noised by the forward process
+    to a trained step's sigma; the ode sampler (no log-probs) can train with it, PPO cannot."""
+    _, run = run_grpo(grpo_argv(*configs, iters=0, extra=["--policy-loss", "awm", "--sampler", "ode"]))
+    s = run.schedule
+    prompts = run.prompts.next_batch(2)
+    updates, stats = s.prepare(0, prompts)
+    assert stats["reward/std"] > 0  # ode: the group differs by its initial noises only
+    cond = s.conditioning([prompts[i // 4] for i in range(8)])
+    traj = s.sample(0, None, range(8), cond)
+    steps = s.trained_steps(0, range(8))
+    for i, mb in enumerate(updates[0]):
+        k, rows = divmod(i, 4)  # micro-batches: trained step k of samples 2j, 2j + 1
+        r = torch.arange(2 * rows, 2 * rows + 2)
+        sigma = s.sigmas[steps[r, k]].view(-1, 1, 1)
+        torch.testing.assert_close(mb["x0"], traj.x0_hat[r])
+        torch.testing.assert_close(mb["hidden_states"], (1 - sigma) * mb["x0"] + sigma * mb["noise"])
+        torch.testing.assert_close(mb["timestep"], s.sigmas[steps[r, k]])
+    before = _weights(run)
+    out = s.update(updates[0])
+    assert out["skipped"] == 0.0 and out["fm_loss"] > 0 and "ratio_mean" not in out
+    assert any(not torch.equal(before[n], w) for n, w in _weights(run).items())
+    with pytest.raises(ValueError, match="ode sampler has no log-probabilities.*--policy-loss awm"):
+        _error(grpo_argv(*configs, extra=["--sampler", "ode"]))
+
+
 # --- bad input: clear errors before any work ------------------------------------------
 def _error(argv):
     from mm_grpo.training.arguments import parse_args

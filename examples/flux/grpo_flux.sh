@@ -18,7 +18,8 @@
 #   NPUS_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT   torchrun (multi-node)
 #   GBS MBS G STEPS ITERS LR SEED  batch, micro-batch, generations per prompt, denoising steps,
 #                                  iterations, learning rate, seed
-#   SAMPLER TIMESTEPS CLIP         dance_sde | flow_sde | cps; random | ordered | window; clip range
+#   SAMPLER TIMESTEPS CLIP         dance_sde | flow_sde | cps (| ode with POLICY_LOSS=awm); random | ordered | window; clip range
+#   POLICY_LOSS    ppo (PPO-clip on log-probs) | awm (advantage-weighted flow matching, docs/grpo.md)
 #   SAME_NOISE=1   the same initial noise for a prompt's G generations (DanceGRPO's init_same_noise;
 #                  on in the CPU demo)
 #   EVAL_INTERVAL  held-out evaluation (before training, every EVAL_INTERVAL iterations, at the end)
@@ -67,7 +68,7 @@ GPT_ARGS="--tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP \
   --lr $LR --weight-decay 1e-4 --adam-beta1 0.9 --adam-beta2 0.999 --clip-grad 1.0"
 [ "$DEVICE" = "cpu" ] || GPT_ARGS="$GPT_ARGS --bf16 --recompute-activations"
 MM_ARGS="--mm-model ${MODEL_JSON:-$SCRIPT_DIR/model.json} --mm-data ${DATA_JSON:-$SCRIPT_DIR/data.json}"
-GRPO_ARGS="--num-generations $G --num-inference-steps $STEPS --sampler ${SAMPLER:-dance_sde} \
+GRPO_ARGS="--num-generations $G --num-inference-steps $STEPS --sampler ${SAMPLER:-dance_sde} --policy-loss ${POLICY_LOSS:-ppo} \
   --timestep-selection ${TIMESTEPS:-random} --timestep-fraction 0.6 --clip-range ${CLIP:-1e-4} --adv-clip-max 5 \
   --eval-prompts ${EVAL_PROMPTS:-8}"
 [ "${SAME_NOISE:-0}" = 1 ] && GRPO_ARGS="$GRPO_ARGS --init-same-noise"

@@ -1,7 +1,10 @@
-"""PPO-clip GRPO loss of one micro-batch of transitions (one trained step per row)."""
+"""GRPO policy losses of one micro-batch (one trained step per row): PPO-clip on the rollout's
+log-probabilities, or advantage-weighted matching on its final samples."""
 from typing import Dict, Optional, Tuple
 
 import torch
+
+from mm_grpo.training.flow_matching import flow_matching_loss
 
 
 def grpo_loss(
@@ -54,4 +57,36 @@ def grpo_loss(
             "approx_kl": 0.5 * ((log_prob - old_log_prob) ** 2).mean(),
             "kl": kl.detach(),
         }
+    return loss, stats
+
+
+def awm_loss(
+    v_pred: torch.Tensor,
+    x0: torch.Tensor,
+    noise: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    kl_beta: float = 0.0,
+    ref_v: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Advantage-weighted matching: L = mean(A * |v - (noise - x0)|^2) + beta * |v - v_ref|^2.
+
+    The flow-matching loss of the rollout's own samples x0, re-noised by the forward process, weighted
+    by their group advantages (AWM, Xue et al. 2025; on-policy it is also DiffusionNFT's gradient, Zheng
+    et al. 2025). No log-probabilities: the gradient is a regression towards better samples and away
+    from worse ones, instead of a score-function estimate over every SDE noise the rollout drew.
+    """
+    if not (advantages.ndim == 1 and v_pred.shape == x0.shape == noise.shape and v_pred.shape[0] == len(advantages)):
+        raise ValueError(f"v_pred, x0 and noise must be equal [B, ...] shapes and advantages [B], got "
+                         f"{tuple(v_pred.shape)}, {tuple(x0.shape)}, {tuple(noise.shape)}, {tuple(advantages.shape)}")
+    if kl_beta < 0 or (kl_beta > 0 and ref_v is None):
+        raise ValueError(f"need kl_beta >= 0, and the reference velocity when kl_beta > 0 (got {kl_beta!r})")
+    fm = flow_matching_loss(v_pred, x0, noise)
+    loss = (advantages.float() * fm).mean()
+    kl = torch.zeros((), device=v_pred.device)
+    if ref_v is not None:
+        kl = ((v_pred.float() - ref_v.float()) ** 2).mean()
+        loss = loss + kl_beta * kl
+    with torch.no_grad():
+        stats = {"loss": loss.detach().clone(), "fm_loss": fm.mean(), "kl": kl.detach()}
     return loss, stats

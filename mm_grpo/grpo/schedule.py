@@ -2,8 +2,9 @@
 
 Samples are numbered globally, group-major (sample s belongs to prompt s // G); data-parallel
 rank r owns a contiguous slice of them. Every random draw (initial noise, step noise, trained
-timesteps) is seeded by (seed, iteration, global sample index), so results do not depend on
-the parallel layout and a resumed run repeats exactly what an uninterrupted one does.
+timesteps, the awm loss's forward-process noise) is seeded by (seed, iteration, global sample
+index), so results do not depend on the parallel layout and a resumed run repeats exactly what
+an uninterrupted one does.
 """
 import dataclasses
 import math
@@ -15,10 +16,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from mm_grpo.grpo.advantages import NonFiniteRewardError, group_advantages
-from mm_grpo.grpo.loss import grpo_loss
+from mm_grpo.grpo.loss import awm_loss, grpo_loss
 from mm_grpo.grpo.timesteps import SlidingWindow, dance_grpo_timesteps, flow_grpo_timesteps, window_timesteps
 from mm_grpo.parallel.pipeline import forward_backward, make_velocity_fn
 from mm_grpo.rollout import get_sampler, rollout, sigma_schedule
+from mm_grpo.training.flow_matching import noisy_latents
+
+
+POLICY_LOSSES = ("ppo", "awm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +48,7 @@ class GRPOSettings:
     adv_clip_max: float = 5.0
     global_std: bool = False
     kl_beta: float = 0.0
+    policy_loss: str = "ppo"  # ppo (PPO-clip on log-probs) | awm (advantage-weighted matching)
     updates_per_rollout: int = 1
     seed: int = 1234
 
@@ -57,8 +63,10 @@ class GRPOSettings:
                 f"parts, each divisible by data-parallel size {dp_size} x micro-batch size {self.micro_batch_size}")
         if self.ode_reuse < 1:
             raise ValueError(f"--ode-reuse must be >= 1, got {self.ode_reuse}")
-        if self.sampler == "ode":
-            raise ValueError("the ode sampler has no log-probabilities: choose an SDE sampler to train")
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"unknown --policy-loss {self.policy_loss!r}; choose {', '.join(POLICY_LOSSES)}")
+        if self.sampler == "ode" and self.policy_loss == "ppo":
+            raise ValueError("the ode sampler has no log-probabilities: choose an SDE sampler, or --policy-loss awm")
 
     @property
     def prompts_per_iteration(self) -> int:
@@ -81,6 +89,13 @@ def draw_noise(s: GRPOSettings, iteration: int, samples: range, tokens: int, cha
         init.append(torch.randn(tokens, channels, generator=_generator(s.seed, iteration, 0, key)))
         steps.append(torch.randn(s.num_inference_steps, tokens, channels, generator=_generator(s.seed, iteration, 1, i)))
     return torch.stack(init), torch.stack(steps)
+
+
+def draw_matching_noise(s: GRPOSettings, iteration: int, samples: range, num_trained: int, tokens: int,
+                        channels: int) -> torch.Tensor:
+    """[B, K, S, C] forward-process noise re-noising each sample's x0 at its K trained steps (awm)."""
+    return torch.stack([torch.randn(num_trained, tokens, channels, generator=_generator(s.seed, iteration, 3, i))
+                        for i in samples])
 
 
 def draw_trained_steps(s: GRPOSettings, iteration: int, samples: range, window=None) -> torch.Tensor:
@@ -165,33 +180,46 @@ class GRPOSchedule:
         total, per_reward = self.reward(images, prompts)
         return images, total.float().to(self.device), {k: v.float().to(self.device) for k, v in per_reward.items()}
 
-    def micro_batches(self, traj, cond, advantages, steps, rows):
-        """(trajectory, timestep) pairs as forward kwargs: the k-th trained step of `mbs` samples."""
+    def micro_batches(self, traj, cond, advantages, steps, rows, matching_noise=None):
+        """(trajectory, timestep) pairs as forward kwargs: the k-th trained step of `mbs` samples.
+
+        ppo: the rollout's transition and its log-prob; awm: the sample x0 re-noised to that step's
+        sigma with `matching_noise` [B, K, S, C]."""
         mbs, out = self.s.micro_batch_size, []
         for k in range(steps.shape[1]):
             for j in range(0, len(rows), mbs):
                 r = torch.as_tensor(rows[j:j + mbs])
                 t = steps[r, k].to(self.device)
+                if self.s.policy_loss == "awm":
+                    x0, noise = traj.x0_hat[r], matching_noise[r, k]
+                    fields = dict(hidden_states=noisy_latents(x0, noise, self.sigmas[t]).to(traj.latents.dtype),
+                                  x0=x0, noise=noise)
+                else:
+                    fields = dict(hidden_states=traj.latents[r, t], x_next=traj.latents[r, t + 1],
+                                  sigma_next=self.sigmas[t + 1], old_log_prob=traj.log_probs[r, t])
                 out.append(dict(
-                    hidden_states=traj.latents[r, t], x_next=traj.latents[r, t + 1],
-                    timestep=self.sigmas[t], sigma_next=self.sigmas[t + 1],
-                    old_log_prob=traj.log_probs[r, t], advantages=advantages[r],
+                    fields, timestep=self.sigmas[t], advantages=advantages[r],
                     encoder_hidden_states=cond["encoder_hidden_states"][r],
                     pooled_projections=cond["pooled_projections"][r], guidance=cond["guidance"][r],
                     txt_ids=cond["txt_ids"], img_ids=cond["img_ids"]))
         return out
 
     def attach_reference(self, micro_batches):
-        """Reference-policy step means for the KL term (forward-only, before training)."""
+        """Reference-policy step means (ppo) or velocities (awm) for the KL term (forward-only)."""
         for mb in micro_batches:
             cond = {k: mb[k] for k in ("encoder_hidden_states", "pooled_projections", "txt_ids", "img_ids",
                                        "guidance")}
             v_ref = make_velocity_fn(self.ref_policy, cond, self.s.micro_batch_size)(mb["hidden_states"],
                                                                                        mb["timestep"])
-            mb["ref_mean"] = self.sampler(mb["hidden_states"], v_ref, mb["timestep"], mb["sigma_next"],
-                                          x_next=mb["x_next"]).mean
+            if self.s.policy_loss == "awm":
+                mb["ref_v"] = v_ref
+            else:
+                mb["ref_mean"] = self.sampler(mb["hidden_states"], v_ref, mb["timestep"], mb["sigma_next"],
+                                              x_next=mb["x_next"]).mean
 
     def loss_fn(self, v, mb):
+        if self.s.policy_loss == "awm":
+            return awm_loss(v, mb["x0"], mb["noise"], mb["advantages"], kl_beta=self.s.kl_beta, ref_v=mb.get("ref_v"))
         step = self.sampler(mb["hidden_states"], v, mb["timestep"], mb["sigma_next"], x_next=mb["x_next"])
         return grpo_loss(step.log_prob, mb["old_log_prob"], mb["advantages"], clip_range=self.s.clip_range,
                          kl_beta=self.s.kl_beta, mean=step.mean, ref_mean=mb.get("ref_mean"), std=step.std)
@@ -204,15 +232,15 @@ class GRPOSchedule:
         if self.ref_policy is not None and self.s.kl_beta > 0:
             self.attach_reference(micro_batches)
         per_mb = forward_backward(self.policy, micro_batches, self.loss_fn)
-        stats = {k: torch.stack([m[k].float() for m in per_mb]) for k in per_mb[0]}
-        loss = self._dp_mean(stats["loss"].mean())
-        out = {"loss": loss, "ratio_mean": self._dp_mean(stats["ratio_mean"].mean()),
-               "ratio_min": -self._dp_max(-stats["ratio_min"].min()),
-               "ratio_max": self._dp_max(stats["ratio_max"].max()),
-               "ratio_first_mb_min": per_mb[0]["ratio_min"].item(),
-               "ratio_first_mb_max": per_mb[0]["ratio_max"].item(),
-               "clip_frac": self._dp_mean(stats["clip_frac"].mean()),
-               "approx_kl": self._dp_mean(stats["approx_kl"].mean()), "kl": self._dp_mean(stats["kl"].mean())}
+        out = {}
+        for key in per_mb[0]:  # *_min / *_max over micro-batches and ranks, the rest averaged
+            values = torch.stack([m[key].float() for m in per_mb])
+            out[key] = (-self._dp_max(-values.min()) if key.endswith("_min") else
+                        self._dp_max(values.max()) if key.endswith("_max") else self._dp_mean(values.mean()))
+        if "ratio_min" in per_mb[0]:  # the first micro-batch's ratio is exactly 1 when on-policy
+            out.update(ratio_first_mb_min=per_mb[0]["ratio_min"].item(),
+                       ratio_first_mb_max=per_mb[0]["ratio_max"].item())
+        loss = out["loss"]
         if not self._all_finite(loss):
             out.update(skipped=1.0, grad_norm=float("nan"), skip_reason="non-finite loss or gradient")
             return out
@@ -257,8 +285,12 @@ class GRPOSchedule:
                               time_reward=time.time() - t1)
         stats.update({"adv/mean": self._dp_mean(adv.mean()), "adv/abs_max": self._dp_max(adv.abs().max())})
         steps = self.trained_steps(iteration, samples)
+        noise = None
+        if self.s.policy_loss == "awm":
+            noise = draw_matching_noise(self.s, iteration, samples, steps.shape[1], *traj.x0_hat.shape[1:])
+            noise = noise.to(self.device, traj.x0_hat.dtype)
         parts = torch.arange(len(samples)).chunk(self.s.updates_per_rollout)
-        updates = [self.micro_batches(traj, cond, adv, steps, part.tolist()) for part in parts]
+        updates = [self.micro_batches(traj, cond, adv, steps, part.tolist(), noise) for part in parts]
         stats.update(time_rollout=t1 - t0, time_reward=time.time() - t1)
         return updates, stats
 

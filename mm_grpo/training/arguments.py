@@ -90,6 +90,9 @@ def _add_grpo_args(p):
     g.add_argument("--adv-clip-max", type=float, default=5.0)
     g.add_argument("--global-std", action="store_true", help="normalise advantages by the global std")
     g.add_argument("--kl-beta", type=float, default=0.0)
+    g.add_argument("--policy-loss", default="ppo", choices=["ppo", "awm"],
+                   help="ppo: PPO-clip on the rollout's log-probs (DanceGRPO / Flow-GRPO); awm: advantage-weighted "
+                        "flow matching on the rollout's samples (AWM / DiffusionNFT; any sampler, ode included)")
     g.add_argument("--updates-per-rollout", type=int, default=1,
                    help="optimizer steps per rollout (the batch is split into this many parts)")
     g.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per evaluation")

@@ -33,13 +33,10 @@ class TrainLogger:
         self.images = AsyncImageWriter()
 
     def log(self, iteration, stats: dict):
+        """One training iteration: TensorBoard, the progress bar, a line every log interval."""
         if not self.active:
             return
-        scalars = {k: float(v) for k, v in stats.items() if isinstance(v, (int, float))}
-        if self.writer:
-            for k, v in scalars.items():
-                if math.isfinite(v):
-                    self.writer.add_scalar(k, v, iteration)
+        scalars = self._scalars(iteration, stats)
         if self.bar is not None:
             self.bar.update(1)
             short = {"reward": scalars.get("reward/mean"), "loss": scalars.get("loss"),
@@ -51,6 +48,20 @@ class TrainLogger:
             if "skip_reason" in stats:
                 text += f" | SKIPPED: {stats['skip_reason']}"
             self.write(f"iteration {iteration:6d} | {text}")
+
+    def log_eval(self, iteration, stats: dict):
+        """A held-out evaluation: always printed (evaluations are rare), the bar not advanced."""
+        if self.active:
+            scalars = self._scalars(iteration, stats)
+            self.write(f"iteration {iteration:6d} | " + " | ".join(f"{k} {v:.5g}" for k, v in scalars.items()))
+
+    def _scalars(self, iteration, stats):
+        scalars = {k: float(v) for k, v in stats.items() if isinstance(v, (int, float))}
+        if self.writer:
+            for k, v in scalars.items():
+                if math.isfinite(v):
+                    self.writer.add_scalar(k, v, iteration)
+        return scalars
 
     def write(self, line):
         if not self.active:

@@ -269,7 +269,7 @@ class FlowRun:
                 done = it + 1
                 if self.evaluator and args.eval_interval and (done % args.eval_interval == 0 or done == args.train_iters):
                     result = self.evaluator(self.model.modules)
-                    logger.log(done, result.stats)
+                    logger.log_eval(done, result.stats)
                     history[-1].update(result.stats)
                     if self.image_dir:
                         logger.image_grid(done, result.images[:16], os.path.join(self.image_dir, f"eval_{done:06d}.png"))

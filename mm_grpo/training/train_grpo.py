@@ -58,7 +58,7 @@ class GRPORun:
             window_size=args.window_size, window_shift_every=args.window_shift_every,
             ode_reuse=args.ode_reuse,
             clip_range=args.clip_range, adv_clip_max=args.adv_clip_max, global_std=args.global_std,
-            kl_beta=args.kl_beta, updates_per_rollout=args.updates_per_rollout, seed=args.seed)
+            kl_beta=args.kl_beta, policy_loss=args.policy_loss, updates_per_rollout=args.updates_per_rollout, seed=args.seed)
         self.settings.check(parallel_state.get_data_parallel_world_size())
         # The policy.
         trainable = build_trainable(args, self.flux_config, predictor, parallel)
@@ -143,7 +143,7 @@ class GRPORun:
         result = self.evaluator(self.schedule.policy_modules)
         self.evaluations[iteration] = result.stats
         if logger is not None:
-            logger.log(iteration, result.stats)
+            logger.log_eval(iteration, result.stats)
             if save_images and self.image_dir:
                 logger.image_grid(iteration, result.images[:16],
                                   os.path.join(self.image_dir, f"eval_{iteration:06d}.png"))

@@ -1,4 +1,5 @@
-"""Two GRPO iterations under TP2, SP2, PP2 and DP2 (world size 2) on the tiny pipeline.
+"""Two GRPO iterations under TP2, SP2, PP2 and DP2 (world size 2) on the tiny pipeline, with the
+PPO loss and with advantage-weighted matching (ode rollout).
 
 Each layout writes its losses, rewards and final weights (diffusers names) to
 $MM_GRPO_TEST_OUT; tests/distributed/test_grpo_distributed.py compares them with a
@@ -20,6 +21,13 @@ from tests.utils import gather_hf_state_dict
 ADAM_LINEAR = ["--adam-eps", "1e-3"]
 LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"], "sp2": ["--context-parallel-size", "2"],
            "pp2": ["--pipeline-model-parallel-size", "2"], "dp2": []}
+AWM = ["--policy-loss", "awm", "--sampler", "ode"]
+
+
+def _layout_argv(name):
+    """'tp2' / 'awm_tp2' -> the layout's extra trainer arguments."""
+    loss, _, layout = name.rpartition("_")
+    return LAYOUTS[layout] + ADAM_LINEAR + (AWM if loss == "awm" else [])
 
 
 def _run_layout(name):
@@ -28,7 +36,7 @@ def _run_layout(name):
     if dist.get_rank() == 0 and not os.path.exists(model_json):
         write_configs(os.path.join(out, "cfg"), os.environ["MM_GRPO_TEST_PIPELINE"], reward=SMOOTH_REWARD)
     dist.barrier()
-    history, run = run_grpo(grpo_argv(model_json, data_json, iters=2, extra=LAYOUTS[name] + ADAM_LINEAR))
+    history, run = run_grpo(grpo_argv(model_json, data_json, iters=2, extra=_layout_argv(name)))
     weights = gather_hf_state_dict(run.policy)
     if dist.get_rank() == 0:
         torch.save({"history": history, "weights": weights}, os.path.join(out, f"grpo_{name}.pt"))
@@ -53,6 +61,26 @@ def grpo_pp2():
 @check(2)
 def grpo_dp2():
     return _run_layout("dp2")
+
+
+@check(2)
+def grpo_awm_tp2():
+    return _run_layout("awm_tp2")
+
+
+@check(2)
+def grpo_awm_sp2():
+    return _run_layout("awm_sp2")
+
+
+@check(2)
+def grpo_awm_pp2():
+    return _run_layout("awm_pp2")
+
+
+@check(2)
+def grpo_awm_dp2():
+    return _run_layout("awm_dp2")
 
 
 @check(2)

@@ -1,10 +1,11 @@
-"""GRPO under TP2 / SP2 / PP2 / DP2 equals the single-process run (losses, rewards, weights)."""
+"""GRPO under TP2 / SP2 / PP2 / DP2 equals the single-process run (losses, rewards, weights), with
+the PPO loss and with advantage-weighted matching."""
 import os
 
 import pytest
 import torch
 
-from tests.distributed.checks_grpo import ADAM_LINEAR
+from tests.distributed.checks_grpo import ADAM_LINEAR, AWM
 from tests.distributed.conftest import check_result
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.grpo_helpers import SMOOTH_REWARD, grpo_argv, run_grpo, write_configs
@@ -15,22 +16,27 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def single_process(parallel_1proc, tiny_pipeline_dir, tmp_path_factory):
+    """{"ppo" | "awm": (history, weights)} of the single-process runs."""
     from tests.utils import gather_hf_state_dict
-    history, run = run_grpo(grpo_argv(*write_configs(tmp_path_factory.mktemp("grpo1"), tiny_pipeline_dir,
-                                                    reward=SMOOTH_REWARD),
-                                      iters=2, extra=ADAM_LINEAR))
-    return history, gather_hf_state_dict(run.policy)
+    cfg = write_configs(tmp_path_factory.mktemp("grpo1"), tiny_pipeline_dir, reward=SMOOTH_REWARD)
+    out = {}
+    for loss, extra in (("ppo", ADAM_LINEAR), ("awm", ADAM_LINEAR + AWM)):
+        history, run = run_grpo(grpo_argv(*cfg, iters=2, extra=extra))
+        out[loss] = history, gather_hf_state_dict(run.policy)
+    return out
 
 
-@pytest.mark.parametrize("layout", ["tp2", "sp2", "pp2", "dp2"])
+@pytest.mark.parametrize("layout", ["tp2", "sp2", "pp2", "dp2", "awm_tp2", "awm_sp2", "awm_pp2", "awm_dp2"])
 def test_two_grpo_iterations_match_single_process(torchrun, grpo_out_dir, single_process, layout):
     check_result(torchrun(2), f"grpo_{layout}")
     result = torch.load(os.path.join(grpo_out_dir, f"grpo_{layout}.pt"), weights_only=False)
-    history, weights = single_process
+    history, weights = single_process["awm" if layout.startswith("awm") else "ppo"]
     for ours, ref in zip(result["history"], history):
         assert abs(ours["reward/mean"] - ref["reward/mean"]) <= TOL * max(1.0, abs(ref["reward/mean"]))
-        # With ratio 1 the PPO loss is mean(-A): about 0, so compare it absolutely.
+        # PPO with ratio 1: mean(-A), about 0, so compared absolutely; AWM: mean(A * |v - v*|^2), also near 0.
         assert abs(ours["loss"] - ref["loss"]) <= 1e-6
+        if "fm_loss" in ref:
+            assert abs(ours["fm_loss"] - ref["fm_loss"]) <= TOL * ref["fm_loss"]
     assert set(result["weights"]) == set(weights)
     errs = {n: rel_err(result["weights"][n], w) for n, w in weights.items()}
     worst = max(errs, key=errs.get)
