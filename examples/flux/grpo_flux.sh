@@ -19,7 +19,7 @@
 #   GBS MBS G STEPS ITERS LR SEED  batch, micro-batch, generations per prompt, denoising steps,
 #                                  iterations, learning rate, seed
 #   SAMPLER TIMESTEPS CLIP         dance_sde | flow_sde | cps (| ode with POLICY_LOSS=awm); random | ordered | window; clip range
-#   POLICY_LOSS    ppo (PPO-clip on log-probs) | awm (advantage-weighted flow matching, docs/grpo.md)
+#   POLICY_LOSS    ppo (PPO-clip on log-probs) | awm (advantage-weighted flow matching, docs/grpo_schedule.md section 7)
 #   SAME_NOISE=1   the same initial noise for a prompt's G generations (DanceGRPO's init_same_noise;
 #                  on in the CPU demo)
 #   EVAL_INTERVAL  held-out evaluation (before training, every EVAL_INTERVAL iterations, at the end)

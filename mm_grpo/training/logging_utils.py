@@ -44,16 +44,17 @@ class TrainLogger:
             short = {k: v for k, v in short.items() if v is not None}
             self.bar.set_postfix({k: f"{v:.4g}" for k, v in short.items()})
         if iteration % self.log_interval == 0 or "skip_reason" in stats:
-            text = " | ".join(f"{k} {v:.5g}" for k, v in scalars.items())
-            if "skip_reason" in stats:
-                text += f" | SKIPPED: {stats['skip_reason']}"
-            self.write(f"iteration {iteration:6d} | {text}")
+            skipped = f" | SKIPPED: {stats['skip_reason']}" if "skip_reason" in stats else ""
+            self.write(self._line(iteration, scalars) + skipped)
 
     def log_eval(self, iteration, stats: dict):
         """A held-out evaluation: always printed (evaluations are rare), the bar not advanced."""
         if self.active:
-            scalars = self._scalars(iteration, stats)
-            self.write(f"iteration {iteration:6d} | " + " | ".join(f"{k} {v:.5g}" for k, v in scalars.items()))
+            self.write(self._line(iteration, self._scalars(iteration, stats)))
+
+    @staticmethod
+    def _line(iteration, scalars):
+        return f"iteration {iteration:6d} | " + " | ".join(f"{k} {v:.5g}" for k, v in scalars.items())
 
     def _scalars(self, iteration, stats):
         scalars = {k: float(v) for k, v in stats.items() if isinstance(v, (int, float))}
