@@ -16,14 +16,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from mm_grpo.grpo.advantages import NonFiniteRewardError, group_advantages
-from mm_grpo.grpo.loss import awm_loss, grpo_loss
+from mm_grpo.grpo.loss import POLICY_LOSSES, awm_loss, grpo_loss
 from mm_grpo.grpo.timesteps import SlidingWindow, dance_grpo_timesteps, flow_grpo_timesteps, window_timesteps
 from mm_grpo.parallel.pipeline import forward_backward, make_velocity_fn
 from mm_grpo.rollout import get_sampler, rollout, sigma_schedule
 from mm_grpo.training.flow_matching import noisy_latents
-
-
-POLICY_LOSSES = ("ppo", "awm")
 
 
 @dataclasses.dataclass(frozen=True)
