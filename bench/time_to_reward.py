@@ -1,4 +1,4 @@
-"""Time to reward: DanceGRPO-style full mode against the MixGRPO-style sliding window.
+"""Time to reward: DanceGRPO-style full mode against MixGRPO's sliding window and Flow-GRPO-Fast's branching.
 
     python -m bench.time_to_reward [--preset tiny --iters 40 --window-iters 60 --seeds 1 2 3
                                     --eval-every 4 --lr 3e-3 --window-size 2
@@ -6,7 +6,8 @@
 
 Each (mode, seed) trains the preset's pipeline from the same weights with mm-grpo's GRPO
 schedule (JPEG compressibility; tiny: lr 3e-3, G = 8, 16 images, N = 8; bench: see
-bench/grpo_setup.py, where training dominates the iteration). Training rewards are not
+bench/grpo_setup.py, where training dominates the iteration), every mode with the same initial
+noise within a group (DanceGRPO's init_same_noise, which branching needs). Training rewards are not
 comparable between modes: window mode samples with ODE steps outside its window, which
 alone makes images smoother. So every `--eval-every` iterations every run is scored the same
 way, outside the timed clock: deterministic ODE sampling of a fixed set (the 8 prompts x 2
@@ -31,6 +32,8 @@ MODES = {
     "full": dict(timestep_selection="random"),
     "window": dict(timestep_selection="window", window_shift_every=25),  # + --window-size
     "window+reuse": dict(timestep_selection="window", window_shift_every=25, ode_reuse=2),
+    "branch": dict(timestep_selection="branch"),
+    "branch+reuse": dict(timestep_selection="branch", ode_reuse=2),
 }
 
 
@@ -51,7 +54,8 @@ def evaluate(schedule, samples_per_prompt=2):
 
 
 def run(preset, paths, mode, seed, iters, eval_every, window_size=2):
-    schedule = build_mm_grpo(preset, paths, torch.device("cpu"), seed=seed, window_size=window_size, **MODES[mode])
+    schedule = build_mm_grpo(preset, paths, torch.device("cpu"), seed=seed, window_size=window_size,
+                             init_same_noise=True, **MODES[mode])
     curve = [dict(iteration=0, wall=0.0, eval=evaluate(schedule))]
     wall = 0.0
     for it in range(iters):
@@ -99,7 +103,7 @@ def plot(results, means, target, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    for mode, color in zip(results, ("tab:blue", "tab:orange", "tab:green")):
+    for mode, color in zip(results, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")):
         per_iteration = seconds_per_iteration(results[mode])
         for curve in results[mode]:
             pts = [p for p in curve if "eval" in p]
@@ -125,11 +129,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=("tiny", "bench"), default="tiny")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the preset's)")
-    p.add_argument("--window-size", type=int, default=2, help="SDE steps in the window modes")
+    p.add_argument("--window-size", type=int, default=2, help="SDE steps in the window and branch modes")
     p.add_argument("--iters", type=int, default=40, help="full-mode iterations (K)")
-    p.add_argument("--window-iters", type=int, default=None, help="window-mode iterations (default: --iters)")
+    p.add_argument("--window-iters", type=int, default=None,
+                   help="window and branch modes' iterations (default: --iters)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--eval-every", type=int, default=4)
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="full is always run")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--png", default=None)
     p.add_argument("--json", default=None)
@@ -140,25 +146,26 @@ def main(argv=None):
     if args.lr is not None:
         preset = dataclasses.replace(preset, lr=args.lr)
     paths = prepare(preset, default_workdir())
-    iters = {mode: args.iters if mode == "full" else args.window_iters or args.iters for mode in MODES}
-    results = {mode: [] for mode in MODES}
+    modes = ["full"] + [m for m in args.modes if m != "full"]
+    iters = {mode: args.iters if mode == "full" else args.window_iters or args.iters for mode in modes}
+    results = {mode: [] for mode in modes}
     for seed in args.seeds:  # modes alternate, so load changes hit both alike
-        for mode in MODES:
+        for mode in modes:
             results[mode].append(run(preset, paths, mode, seed, iters[mode], args.eval_every, args.window_size))
     means = {mode: mean_curve(curves) for mode, curves in results.items()}
     target = means["full"][-1]["eval"]
-    reach = {mode: time_to_reach(means[mode], target) for mode in MODES}
+    reach = {mode: time_to_reach(means[mode], target) for mode in modes}
     summary = dict(preset=preset.name, lr=preset.lr, window_size=args.window_size, K=args.iters, target=target,
                    time_to_target=reach,
-                   ratio_to_full={m: reach[m] / reach["full"] if reach[m] else None for m in MODES},
-                   seconds_per_iteration={m: seconds_per_iteration(results[m]) for m in MODES},
-                   final_eval={m: means[m][-1]["eval"] for m in MODES}, load=os.getloadavg())
+                   ratio_to_full={m: reach[m] / reach["full"] if reach[m] else None for m in modes},
+                   seconds_per_iteration={m: seconds_per_iteration(results[m]) for m in modes},
+                   final_eval={m: means[m][-1]["eval"] for m in modes}, load=os.getloadavg())
     print(json.dumps(summary, indent=1))
     if args.png:
         plot(results, means, target, args.png)
     if args.json:
         with open(args.json + ".tmp", "w") as f:
-            json.dump(dict(summary=summary, modes=MODES, curves=results, means=means), f, indent=1)
+            json.dump(dict(summary=summary, modes={m: MODES[m] for m in modes}, curves=results, means=means), f, indent=1)
         os.replace(args.json + ".tmp", args.json)
 
 

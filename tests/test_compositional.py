@@ -8,7 +8,7 @@ import torch
 
 from mm_grpo.data import shapes
 from mm_grpo.data.shapes import CaptionSampler, ObjectSpec, PlacedObject, PromptSpec, Scene, render, sample_scene
-from mm_grpo.rewards import CombinedReward, build_reward
+from mm_grpo.rewards import CombinedReward, build_reward, compositional
 from mm_grpo.rewards.compositional import _components, atom_names, breakdown, check, detect, reference_levels, score
 
 
@@ -121,13 +121,19 @@ def test_counts_and_background_atoms():
     assert f1.tolist() == pytest.approx([1.0, 0.8, 0.5])  # 2 of 3 matched; background missed
 
 
-def test_registered_rewards_and_their_interface():
+def test_registered_rewards_and_their_interface(monkeypatch):
     pixels = _pixels(*(c[0] for c in CASES))
     prompts = [PROMPT] * len(CASES)
     combined = CombinedReward.from_configs([{"name": "compositional"},
                                             {"name": "compositional_accuracy", "weight": 0.0},
                                             {"name": "compositional_f1", "weight": 0.0}])
+    calls = []
+    monkeypatch.setattr(compositional, "detect", lambda *a: calls.append(1) or detect(*a))
     total, values = combined(pixels, prompts)
+    assert len(calls) == 1  # the three rewards share one detection of the same images
+    pixels[0] = pixels[1]  # changed in place: detected again, and scored as the new image
+    assert combined(pixels, prompts)[1]["compositional_accuracy"][0] == 0.0 and len(calls) == 2
+    pixels = _pixels(*(c[0] for c in CASES))
     expected = torch.tensor([sum(e) / len(e) for _, e, _ in CASES])
     assert torch.allclose(total, expected) and torch.allclose(values["compositional"], expected)
     assert values["compositional_accuracy"].tolist() == [1.0] + [0.0] * (len(CASES) - 1)

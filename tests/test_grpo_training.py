@@ -168,6 +168,8 @@ def test_unknown_sampler_and_indivisible_batch(parallel_1proc, configs, capsys):
         _error(grpo_argv(*configs, extra=["--num-generations", "3"]))
     with pytest.raises(ValueError, match="micro-batch size 3"):
         _error(grpo_argv(*configs, extra=["--micro-batch-size", "3"]))
+    with pytest.raises(ValueError, match="branch needs --init-same-noise"):
+        _error(grpo_argv(*configs, extra=["--timestep-selection", "branch"]))
 
 
 def test_bf16_is_refused_on_cpu_before_any_work(parallel_1proc, configs):

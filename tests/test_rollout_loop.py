@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from mm_grpo.grpo import SlidingWindow, dance_grpo_timesteps, flow_grpo_timesteps, grpo_loss, window_timesteps
+from mm_grpo.grpo import (SlidingWindow, branch_window, dance_grpo_timesteps, flow_grpo_timesteps, grpo_loss,
+                          window_timesteps)
 from mm_grpo.rollout import get_sampler, initial_latents, ode_step, rollout, sigma_schedule
 
 B, N, S, C = 4, 6, 8, 4
@@ -156,6 +157,15 @@ def test_sliding_window_schedule():
     assert SlidingWindow(size=4).bounds(21 * 25, 25) == (21, 25)
     two = SlidingWindow(size=3, shift=2, every=10)
     assert [two.bounds(it, 16)[0] for it in range(0, 80, 10)] == [0, 2, 4, 6, 8, 10, 12, 0]
+
+
+def test_branch_window_is_drawn_uniformly_and_reproducibly():
+    starts = [branch_window(3, 16, torch.Generator().manual_seed(i))[0] for i in range(400)]
+    assert set(starts) == set(range(14))  # every position 0..13 of a 3-step window in 16 steps
+    assert branch_window(3, 16, torch.Generator().manual_seed(7)) == branch_window(3, 16, torch.Generator().manual_seed(7))
+    assert branch_window(16, 16) == (0, 16)
+    with pytest.raises(ValueError, match=r"window size must be in \[1, 16\]"):
+        branch_window(17, 16)
 
 
 def _one_line_error(fn, match):

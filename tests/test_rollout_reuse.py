@@ -1,8 +1,9 @@
-"""Velocity reuse at ODE steps outside the SDE window (rollout(..., ode_reuse=k))."""
+"""Model evaluations saved outside the SDE window: velocity reuse at ODE steps (ode_reuse=k) and
+one evaluation per group over the shared ODE prefix (shared_prefix, Flow-GRPO-Fast's branching)."""
 import pytest
 import torch
 
-from mm_grpo.rollout import get_sampler, rollout, sigma_schedule
+from mm_grpo.rollout import SharedPrefix, get_sampler, rollout, sigma_schedule
 
 N, WINDOW = 8, (2, 4)
 
@@ -12,10 +13,11 @@ class CountingVelocity:
 
     def __init__(self, sigmas):
         self.a = torch.randn(6, 6, generator=torch.Generator().manual_seed(0)) / 3
-        self.sigmas, self.steps = sigmas, []
+        self.sigmas, self.steps, self.rows = sigmas, [], []
 
     def __call__(self, x, sigma):
         self.steps.append(int((self.sigmas - sigma[0]).abs().argmin()))
+        self.rows.append(x.shape[0])
         return x @ self.a + sigma[:, None, None]
 
 
@@ -56,3 +58,38 @@ def test_reused_steps_are_euler_with_the_last_velocity_and_window_log_probs_are_
 def test_bad_reuse_is_a_clear_error():
     with pytest.raises(ValueError, match="ode_reuse must be >= 1"):
         _run(0)
+
+
+def _branched(ode_reuse, groups=(0, 0, 0, 1, 1), window=(3, 5)):
+    """Rows of a group start from the same noise; rollout with and without the shared prefix."""
+    sigmas = sigma_schedule(N)
+    g = torch.Generator().manual_seed(2)
+    groups = torch.tensor(groups)
+    x0 = torch.randn(int(groups.max()) + 1, 5, 6, generator=g)[groups]
+    noise = torch.randn(len(groups), N, 5, 6, generator=g)
+    plain, shared = CountingVelocity(sigmas), CountingVelocity(sigmas)
+    prefix = SharedPrefix.of_groups(groups, lambda rows: shared)
+    kwargs = dict(sde_window=window, noise=noise, ode_reuse=ode_reuse)
+    return (rollout(plain, x0, sigmas, "dance_sde", **kwargs), plain,
+            rollout(shared, x0, sigmas, "dance_sde", shared_prefix=prefix, **kwargs), shared)
+
+
+@pytest.mark.parametrize("ode_reuse", [1, 2])
+def test_shared_prefix_runs_the_model_once_per_group_and_changes_nothing(ode_reuse):
+    traj, plain, branched, shared = _branched(ode_reuse)
+    assert shared.steps == plain.steps
+    prefix_calls = sum(step < 3 for step in plain.steps)
+    assert shared.rows == [2] * prefix_calls + [5] * (len(plain.steps) - prefix_calls)  # 2 groups, then 5 rows
+    torch.testing.assert_close(branched.latents, traj.latents, rtol=0, atol=1e-6)
+    torch.testing.assert_close(branched.log_probs, traj.log_probs, rtol=0, atol=1e-6, equal_nan=True)
+    assert torch.equal(branched.latents[:3, 3], branched.latents[0, 3].expand(3, 5, 6))  # identical up to the branch
+    assert not torch.equal(branched.latents[0, 4], branched.latents[1, 4])  # and apart after it
+
+
+def test_shared_prefix_needs_the_same_initial_noise_within_a_group():
+    sigmas = sigma_schedule(N)
+    x0 = torch.randn(4, 5, 6, generator=torch.Generator().manual_seed(0))
+    velocity = CountingVelocity(sigmas)
+    prefix = SharedPrefix.of_groups(torch.tensor([0, 0, 1, 1]), lambda rows: velocity)
+    with pytest.raises(ValueError, match="same initial latents within each group"):
+        rollout(velocity, x0, sigmas, sde_window=(2, 4), shared_prefix=prefix)

@@ -18,7 +18,9 @@
 #   NPUS_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT   torchrun (multi-node)
 #   GBS MBS G STEPS ITERS LR SEED  batch, micro-batch, generations per prompt, denoising steps,
 #                                  iterations, learning rate, seed
-#   SAMPLER TIMESTEPS CLIP         dance_sde | flow_sde | cps (| ode with POLICY_LOSS=awm); random | ordered | window; clip range
+#   SAMPLER TIMESTEPS CLIP         dance_sde | flow_sde | cps (| ode with POLICY_LOSS=awm); random | ordered | window
+#                                  (MixGRPO) | branch (Flow-GRPO-Fast: sets SAME_NOISE=1); clip range
+#   WINDOW ODE_REUSE               SDE steps of the window / branch; model every k-th ODE step outside it
 #   POLICY_LOSS    ppo (PPO-clip on log-probs) | awm (advantage-weighted flow matching, docs/grpo_schedule.md section 7)
 #   SAME_NOISE=1   the same initial noise for a prompt's G generations (DanceGRPO's init_same_noise;
 #                  on in the CPU demo)
@@ -70,7 +72,8 @@ GPT_ARGS="--tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP \
 MM_ARGS="--mm-model ${MODEL_JSON:-$SCRIPT_DIR/model.json} --mm-data ${DATA_JSON:-$SCRIPT_DIR/data.json}"
 GRPO_ARGS="--num-generations $G --num-inference-steps $STEPS --sampler ${SAMPLER:-dance_sde} --policy-loss ${POLICY_LOSS:-ppo} \
   --timestep-selection ${TIMESTEPS:-random} --timestep-fraction 0.6 --clip-range ${CLIP:-1e-4} --adv-clip-max 5 \
-  --eval-prompts ${EVAL_PROMPTS:-8}"
+  --window-size ${WINDOW:-3} --ode-reuse ${ODE_REUSE:-1} --eval-prompts ${EVAL_PROMPTS:-8}"
+[ "${TIMESTEPS:-random}" = branch ] && SAME_NOISE=1  # a group branches from one shared prefix
 [ "${SAME_NOISE:-0}" = 1 ] && GRPO_ARGS="$GRPO_ARGS --init-same-noise"
 OUTPUT_ARGS="--save ${SAVE:-$RUN_DIR/ckpt} --save-interval ${SAVE_INTERVAL:-100} --log-interval ${LOG_INTERVAL:-10} \
   --tensorboard-dir $RUN_DIR --eval-interval ${EVAL_INTERVAL:-20} --save-image-interval ${IMAGE_INTERVAL:-20} \

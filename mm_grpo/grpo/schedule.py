@@ -17,9 +17,10 @@ from megatron.core import parallel_state
 
 from mm_grpo.grpo.advantages import NonFiniteRewardError, group_advantages
 from mm_grpo.grpo.loss import POLICY_LOSSES, awm_loss, grpo_loss
-from mm_grpo.grpo.timesteps import SlidingWindow, dance_grpo_timesteps, flow_grpo_timesteps, window_timesteps
+from mm_grpo.grpo.timesteps import (SlidingWindow, branch_window, dance_grpo_timesteps, flow_grpo_timesteps,
+                                    window_timesteps)
 from mm_grpo.parallel.pipeline import forward_backward, make_velocity_fn
-from mm_grpo.rollout import get_sampler, rollout, sigma_schedule
+from mm_grpo.rollout import SharedPrefix, get_sampler, rollout, sigma_schedule
 from mm_grpo.training.flow_matching import noisy_latents
 
 
@@ -36,7 +37,8 @@ class GRPOSettings:
     guidance_scale: float = 3.5
     height: int = 64
     width: int = 64
-    timestep_selection: str = "random"  # random (DanceGRPO) | ordered (Flow-GRPO) | window (MixGRPO)
+    # random (DanceGRPO) | ordered (Flow-GRPO) | window (MixGRPO) | branch (Flow-GRPO-Fast)
+    timestep_selection: str = "random"
     timestep_fraction: float = 0.6
     window_size: int = 3
     window_shift_every: int = 25
@@ -62,6 +64,9 @@ class GRPOSettings:
             raise ValueError(f"--ode-reuse must be >= 1, got {self.ode_reuse}")
         if self.policy_loss not in POLICY_LOSSES:
             raise ValueError(f"unknown --policy-loss {self.policy_loss!r}; choose {', '.join(POLICY_LOSSES)}")
+        if self.timestep_selection == "branch" and not self.init_same_noise:
+            raise ValueError("--timestep-selection branch needs --init-same-noise: a group branches from one "
+                             "shared ODE prefix")
         if self.sampler == "ode" and self.policy_loss == "ppo":
             raise ValueError("the ode sampler has no log-probabilities: choose an SDE sampler, or --policy-loss awm")
 
@@ -98,7 +103,7 @@ def draw_matching_noise(s: GRPOSettings, iteration: int, samples: range, num_tra
 def draw_trained_steps(s: GRPOSettings, iteration: int, samples: range, window=None) -> torch.Tensor:
     """[B, K] indices of the transitions trained for each of `samples`."""
     n, sel = s.num_inference_steps, s.timestep_selection
-    if sel == "window":
+    if sel in ("window", "branch"):
         return window_timesteps(len(samples), window, n)
     if sel == "ordered":
         return flow_grpo_timesteps(len(samples), n, s.timestep_fraction)
@@ -156,9 +161,12 @@ class GRPOSchedule:
         return init.to(self.device), steps.to(self.device)
 
     def sde_window(self, iteration: int):
-        if self.s.timestep_selection != "window":
-            return None
-        return self.window.bounds(iteration, self.s.num_inference_steps)
+        n, sel = self.s.num_inference_steps, self.s.timestep_selection
+        if sel == "window":
+            return self.window.bounds(iteration, n)
+        if sel == "branch":
+            return branch_window(self.s.window_size, n, generator=_generator(self.s.seed, iteration, 4))
+        return None
 
     def trained_steps(self, iteration: int, samples: range) -> torch.Tensor:
         """[B, K] indices of the transitions trained for each sample."""
@@ -170,7 +178,21 @@ class GRPOSchedule:
         x0, step_noise = self.noise(iteration, samples, self.policy_modules[0].flux_config.in_channels)
         velocity = make_velocity_fn(self.policy_modules, cond, self.s.micro_batch_size)
         return rollout(velocity, x0, self.sigmas, self.sampler, sde_window=window, noise=step_noise,
-                       ode_reuse=self.s.ode_reuse)
+                       ode_reuse=self.s.ode_reuse, shared_prefix=self.shared_prefix(samples, cond, window))
+
+    def shared_prefix(self, samples: range, cond: dict, window):
+        """With the same initial noise per group, the ODE steps before the window are the same for
+        the whole group: run them once per group (on the group's first local sample)."""
+        if not (self.s.init_same_noise and window is not None and window[0] > 0):
+            return None
+
+        def velocity_over(rows):
+            per_sample = ("encoder_hidden_states", "pooled_projections", "guidance")
+            rows_cond = {k: v[rows.to(v.device)] if k in per_sample and v is not None else v for k, v in cond.items()}
+            return make_velocity_fn(self.policy_modules, rows_cond, math.gcd(len(rows), self.s.micro_batch_size))
+
+        groups = torch.tensor([s // self.s.num_generations for s in samples])
+        return SharedPrefix.of_groups(groups, velocity_over)
 
     def score(self, x0_hat, prompts):
         images = self.decoder(x0_hat, self.s.height, self.s.width)

@@ -1,4 +1,4 @@
-"""Which rollout steps GRPO trains on: DanceGRPO, Flow-GRPO and MixGRPO selections.
+"""Which rollout steps GRPO trains on: DanceGRPO, Flow-GRPO, MixGRPO and Flow-GRPO-Fast selections.
 
 Each selector returns a [B, K] long tensor of step indices i (transition i -> i+1), one row
 per sample, to be fed to `Trajectory.transition(steps[:, k])` for k = 0..K-1.
@@ -77,8 +77,18 @@ class SlidingWindow:
         return start, start + self.size
 
 
+def branch_window(size: int, num_steps: int, generator: Optional[torch.Generator] = None) -> Tuple[int, int]:
+    """Flow-GRPO-Fast: the group branches at a random step. An SDE window of `size` steps whose
+    start is drawn uniformly over all positions (once per iteration); ODE before it (the group's
+    shared prefix, see `rollout.SharedPrefix`) and after it."""
+    if not 1 <= size <= num_steps:
+        raise ValueError(f"window size must be in [1, {num_steps}] (the number of steps), got {size}")
+    start = int(torch.randint(0, num_steps - size + 1, (1,), generator=generator))
+    return start, start + size
+
+
 def window_timesteps(batch_size: int, window: Tuple[int, int], num_steps: int) -> torch.Tensor:
-    """MixGRPO: every step of the SDE window, in order, for every sample."""
+    """MixGRPO / Flow-GRPO-Fast: every step of the SDE window, in order, for every sample."""
     _check_args(batch_size, num_steps, 1.0, min_steps=1)
     start, end = check_window(window, num_steps)
     return torch.arange(start, end).repeat(batch_size, 1)

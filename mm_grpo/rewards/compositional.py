@@ -26,6 +26,7 @@ missed relation or background: partial credit that extra or mis-bound objects ca
 import argparse
 import collections
 import dataclasses
+import weakref
 from typing import List, NamedTuple, Sequence, Tuple
 
 import numpy as np
@@ -220,12 +221,30 @@ def score(images: torch.Tensor, prompts: Sequence[str], cfg: DetectorConfig = De
     return Scores(frac, torch.tensor([float(all(a)) for a in atoms]), f1)
 
 
+class _LastScores:
+    """`score` of the last images seen: the compositional rewards of one `CombinedReward` get the
+    same tensor, and detection is the costly part. Keyed by the tensor itself (a weak
+    reference, so no batch is kept alive), its in-place version counter and the prompts."""
+
+    def __init__(self):
+        self.images, self.key, self.scores = lambda: None, None, None
+
+    def __call__(self, images, prompts) -> Scores:
+        key = (images._version, tuple(prompts))
+        if self.images() is not images or self.key != key:
+            self.images, self.key, self.scores = weakref.ref(images), key, score(images, prompts)
+        return self.scores
+
+
+_last_scores = _LastScores()
+
+
 @register_reward("compositional")
 class CompositionalReward(Reward):
     """Fraction of the prompt's atoms met, in [0, 1]."""
 
     def score(self, images, prompts):
-        return score(images, prompts).fraction
+        return _last_scores(images, prompts).fraction
 
 
 @register_reward("compositional_accuracy")
@@ -233,7 +252,7 @@ class CompositionalAccuracy(Reward):
     """1 if every atom of the prompt is met, else 0 (GenEval's per-image accuracy)."""
 
     def score(self, images, prompts):
-        return score(images, prompts).accuracy
+        return _last_scores(images, prompts).accuracy
 
 
 @register_reward("compositional_f1")
@@ -241,7 +260,7 @@ class CompositionalF1(Reward):
     """Objects' F1 against the prompt, halved per missed relation or background, in [0, 1]."""
 
     def score(self, images, prompts):
-        return score(images, prompts).f1
+        return _last_scores(images, prompts).f1
 
 
 # --- reference levels ------------------------------------------------------------------

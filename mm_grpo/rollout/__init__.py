@@ -10,10 +10,11 @@ from mm_grpo.rollout.samplers import (
     ode_step,
 )
 from mm_grpo.rollout.schedule import sigma_schedule
-from mm_grpo.rollout.trajectory import Trajectory, Transition, check_window, initial_latents, rollout
+from mm_grpo.rollout.trajectory import SharedPrefix, Trajectory, Transition, check_window, initial_latents, rollout
 
 __all__ = [
     "SAMPLERS",
+    "SharedPrefix",
     "StepOutput",
     "Trajectory",
     "Transition",

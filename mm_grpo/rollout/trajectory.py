@@ -60,6 +60,28 @@ class Trajectory:
         )
 
 
+@dataclasses.dataclass
+class SharedPrefix:
+    """Rows that start from the same noise (a group with init_same_noise) stay identical through
+    the ODE steps before the SDE window, so the model runs once per group there and each row
+    copies its group's velocity (Flow-GRPO-Fast's branching: the group splits at the window).
+
+    velocity_fn: the velocity over the representative rows only (their conditioning);
+    rows: [R] the representative row of each group; inverse: [B] the representative each row copies.
+    """
+
+    velocity_fn: VelocityFn
+    rows: torch.Tensor
+    inverse: torch.Tensor
+
+    @classmethod
+    def of_groups(cls, groups: torch.Tensor, make_velocity_fn: Callable[[torch.Tensor], VelocityFn]):
+        """From [B] group ids of consecutive rows; make_velocity_fn(rows) builds the velocity over them."""
+        _, inverse, counts = torch.unique_consecutive(groups, return_inverse=True, return_counts=True)
+        rows = torch.cumsum(counts, 0) - counts
+        return cls(make_velocity_fn(rows), rows, inverse)
+
+
 def check_window(window: Optional[Sequence[int]], num_steps: int) -> Tuple[int, int]:
     """Validates an SDE window (start, end), steps start..end-1; None means every step."""
     if window is None:
@@ -109,6 +131,7 @@ def rollout(
     generator: Optional[torch.Generator] = None,
     noise: Optional[torch.Tensor] = None,
     ode_reuse: int = 1,
+    shared_prefix: Optional[SharedPrefix] = None,
 ) -> Trajectory:
     """Samples the whole batch from sigmas[0] to sigmas[-1].
 
@@ -119,6 +142,7 @@ def rollout(
     ode_reuse = k > 1 evaluates the model at every k-th step of each run of ODE steps and
     reuses the last velocity in between (the coarsest DiT cache). Steps inside the window
     always get a fresh velocity, so their latents and log-probs are what training recomputes.
+    shared_prefix evaluates the steps before the window once per group of identical rows.
     """
     step_fn = get_sampler(sampler) if isinstance(sampler, str) else sampler
     if sigmas.ndim != 1 or sigmas.numel() < 2:
@@ -134,6 +158,8 @@ def rollout(
         )
     if ode_reuse < 1:
         raise ValueError(f"ode_reuse must be >= 1 (1 = a model evaluation at every step), got {ode_reuse}")
+    if shared_prefix is not None and not torch.equal(latents, latents[shared_prefix.rows][shared_prefix.inverse]):
+        raise ValueError("a shared prefix needs the same initial latents within each group (init_same_noise)")
     draw_device = generator.device if generator is not None else latents.device
 
     x = latents
@@ -143,7 +169,11 @@ def rollout(
     ode_run = 0  # position in the current run of ODE steps
     for i in range(num_steps):
         ode_run = ode_run + 1 if not start <= i < end else 0
-        if ode_run == 0 or (ode_run - 1) % ode_reuse == 0:
+        if shared_prefix is not None and i < start:
+            if (ode_run - 1) % ode_reuse == 0:
+                rows = shared_prefix.rows
+                v = shared_prefix.velocity_fn(x[rows], sigmas[i].repeat(len(rows)))[shared_prefix.inverse]
+        elif ode_run == 0 or (ode_run - 1) % ode_reuse == 0:
             v = velocity_fn(x, sigmas[i].repeat(batch))
         if noise is not None:
             eps = noise[:, i]

@@ -79,13 +79,15 @@ def _add_grpo_args(p):
     g.add_argument("--guidance-scale", type=float, default=3.5)
     g.add_argument("--height", type=int, default=None, help="image height (model.json default)")
     g.add_argument("--width", type=int, default=None)
-    g.add_argument("--timestep-selection", default="random", choices=["random", "ordered", "window"],
-                   help="DanceGRPO (random), Flow-GRPO (ordered) or MixGRPO sliding window")
+    g.add_argument("--timestep-selection", default="random", choices=["random", "ordered", "window", "branch"],
+                   help="DanceGRPO (random), Flow-GRPO (ordered), MixGRPO sliding window, or Flow-GRPO-Fast "
+                        "branching (a --window-size SDE window at a random step per iteration; needs "
+                        "--init-same-noise)")
     g.add_argument("--timestep-fraction", type=float, default=0.6)
     g.add_argument("--window-size", type=int, default=3, help="MixGRPO SDE window (steps; 4 of 25 in MixGRPO)")
     g.add_argument("--window-shift-every", type=int, default=25, help="iterations per window move")
     g.add_argument("--ode-reuse", type=int, default=1,
-                   help="window mode: evaluate the model every k-th ODE step outside the window (MixGRPO-Flash "
+                   help="window / branch: evaluate the model every k-th ODE step outside the window (MixGRPO-Flash "
                         "style; 1 = every step); trained steps and their log-probs are unchanged")
     g.add_argument("--clip-range", type=float, default=1e-4)
     g.add_argument("--adv-clip-max", type=float, default=5.0)

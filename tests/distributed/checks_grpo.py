@@ -1,5 +1,5 @@
 """Two GRPO iterations under TP2, SP2, PP2 and DP2 (world size 2) on the tiny pipeline, with the
-PPO loss and with advantage-weighted matching (ode rollout).
+PPO loss, with advantage-weighted matching (ode rollout) and with Flow-GRPO-Fast branching.
 
 Each layout writes its losses, rewards and final weights (diffusers names) to
 $MM_GRPO_TEST_OUT; tests/distributed/test_grpo_distributed.py compares them with a
@@ -22,12 +22,16 @@ ADAM_LINEAR = ["--adam-eps", "1e-3"]
 LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"], "sp2": ["--context-parallel-size", "2"],
            "pp2": ["--pipeline-model-parallel-size", "2"], "dp2": []}
 AWM = ["--policy-loss", "awm", "--sampler", "ode"]
+# Seed 3 puts the 3-step window at steps 3-5 of 6 (a shared 3-step ODE prefix, its middle step
+# reused) and then at steps 0-2 (no prefix).
+BRANCH = ["--timestep-selection", "branch", "--init-same-noise", "--window-size", "3", "--ode-reuse", "2"]
+VARIANTS = {"ppo": [], "awm": AWM, "branch": BRANCH}
 
 
 def _layout_argv(name):
-    """'tp2' / 'awm_tp2' -> the layout's extra trainer arguments."""
-    loss, _, layout = name.rpartition("_")
-    return LAYOUTS[layout] + ADAM_LINEAR + (AWM if loss == "awm" else [])
+    """'tp2' / 'awm_tp2' / 'branch_tp2' -> the layout's extra trainer arguments."""
+    variant, _, layout = name.rpartition("_")
+    return LAYOUTS[layout] + ADAM_LINEAR + VARIANTS[variant or "ppo"]
 
 
 def _run_layout(name):
@@ -81,6 +85,26 @@ def grpo_awm_pp2():
 @check(2)
 def grpo_awm_dp2():
     return _run_layout("awm_dp2")
+
+
+@check(2)
+def grpo_branch_tp2():
+    return _run_layout("branch_tp2")
+
+
+@check(2)
+def grpo_branch_sp2():
+    return _run_layout("branch_sp2")
+
+
+@check(2)
+def grpo_branch_pp2():
+    return _run_layout("branch_pp2")
+
+
+@check(2)
+def grpo_branch_dp2():
+    return _run_layout("branch_dp2")
 
 
 @check(2)

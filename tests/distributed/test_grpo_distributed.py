@@ -1,11 +1,11 @@
 """GRPO under TP2 / SP2 / PP2 / DP2 equals the single-process run (losses, rewards, weights), with
-the PPO loss and with advantage-weighted matching."""
+the PPO loss, with advantage-weighted matching and with Flow-GRPO-Fast branching."""
 import os
 
 import pytest
 import torch
 
-from tests.distributed.checks_grpo import ADAM_LINEAR, AWM
+from tests.distributed.checks_grpo import ADAM_LINEAR, VARIANTS
 from tests.distributed.conftest import check_result
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.grpo_helpers import SMOOTH_REWARD, grpo_argv, run_grpo, write_configs
@@ -16,21 +16,23 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def single_process(parallel_1proc, tiny_pipeline_dir, tmp_path_factory):
-    """{"ppo" | "awm": (history, weights)} of the single-process runs."""
+    """{"ppo" | "awm" | "branch": (history, weights)} of the single-process runs."""
     from tests.utils import gather_hf_state_dict
     cfg = write_configs(tmp_path_factory.mktemp("grpo1"), tiny_pipeline_dir, reward=SMOOTH_REWARD)
     out = {}
-    for loss, extra in (("ppo", ADAM_LINEAR), ("awm", ADAM_LINEAR + AWM)):
-        history, run = run_grpo(grpo_argv(*cfg, iters=2, extra=extra))
-        out[loss] = history, gather_hf_state_dict(run.policy)
+    for variant, extra in VARIANTS.items():
+        history, run = run_grpo(grpo_argv(*cfg, iters=2, extra=ADAM_LINEAR + extra))
+        out[variant] = history, gather_hf_state_dict(run.policy)
     return out
 
 
-@pytest.mark.parametrize("layout", ["tp2", "sp2", "pp2", "dp2", "awm_tp2", "awm_sp2", "awm_pp2", "awm_dp2"])
+@pytest.mark.parametrize("layout", [f"{v}{layout}" for v in ("", "awm_", "branch_") for layout in ("tp2", "sp2", "pp2",
+                                                                                                 "dp2")])
 def test_two_grpo_iterations_match_single_process(torchrun, grpo_out_dir, single_process, layout):
     check_result(torchrun(2), f"grpo_{layout}")
     result = torch.load(os.path.join(grpo_out_dir, f"grpo_{layout}.pt"), weights_only=False)
-    history, weights = single_process["awm" if layout.startswith("awm") else "ppo"]
+    variant, _, _ = layout.rpartition("_")
+    history, weights = single_process[variant or "ppo"]
     for ours, ref in zip(result["history"], history):
         assert abs(ours["reward/mean"] - ref["reward/mean"]) <= TOL * max(1.0, abs(ref["reward/mean"]))
         # PPO with ratio 1: mean(-A), about 0, so compared absolutely; AWM: mean(A * |v - v*|^2), also near 0.
