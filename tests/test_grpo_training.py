@@ -53,6 +53,21 @@ def test_first_micro_batch_ratio_is_exactly_one_and_later_updates_move_it(parall
     assert stats["skipped"] == 0.0
 
 
+def test_branch_mode_trains_a_random_window_after_the_shared_prefix(parallel_1proc, configs):
+    from mm_grpo.grpo import branch_window
+    from mm_grpo.grpo.schedule import _generator
+    history, run = run_grpo(grpo_argv(*configs, iters=2, extra=["--timestep-selection", "branch", "--init-same-noise",
+                                                                "--window-size", "3"]))
+    s = run.schedule
+    windows = [branch_window(3, 6, _generator(3, it, 4)) for it in range(2)]
+    assert windows == [(3, 6), (0, 3)]  # seed 3: a 3-step shared prefix, then none
+    for it, ((start, end), stats) in enumerate(zip(windows, history)):
+        assert stats["sde_window_start"] == start
+        assert torch.equal(s.trained_steps(it, s.local_samples()), torch.arange(start, end).repeat(8, 1))
+        # the window's log-probs came from whole-batch forwards, as training recomputes them
+        assert stats["ratio_first_mb_min"] == 1.0 == stats["ratio_first_mb_max"]
+
+
 def test_resume_repeats_the_uninterrupted_run_exactly(parallel_1proc, configs, tmp_path):
     full, run_full = run_grpo(grpo_argv(*configs, iters=4))
     first, _ = run_grpo(grpo_argv(*configs, iters=2, extra=["--save", str(tmp_path / "ckpt")]))

@@ -19,7 +19,7 @@ from mm_grpo.grpo.advantages import NonFiniteRewardError, group_advantages
 from mm_grpo.grpo.loss import POLICY_LOSSES, awm_loss, grpo_loss
 from mm_grpo.grpo.timesteps import (SlidingWindow, branch_window, dance_grpo_timesteps, flow_grpo_timesteps,
                                     window_timesteps)
-from mm_grpo.parallel.pipeline import forward_backward, make_velocity_fn
+from mm_grpo.parallel.pipeline import PER_SAMPLE_CONDITIONING, forward_backward, make_velocity_fn
 from mm_grpo.rollout import SharedPrefix, get_sampler, rollout, sigma_schedule
 from mm_grpo.training.flow_matching import noisy_latents
 
@@ -187,8 +187,8 @@ class GRPOSchedule:
             return None
 
         def velocity_over(rows):
-            per_sample = ("encoder_hidden_states", "pooled_projections", "guidance")
-            rows_cond = {k: v[rows.to(v.device)] if k in per_sample and v is not None else v for k, v in cond.items()}
+            rows_cond = {k: v[rows.to(v.device)] if k in PER_SAMPLE_CONDITIONING and v is not None else v
+                         for k, v in cond.items()}
             return make_velocity_fn(self.policy_modules, rows_cond, math.gcd(len(rows), self.s.micro_batch_size))
 
         groups = torch.tensor([s // self.s.num_generations for s in samples])
@@ -295,6 +295,8 @@ class GRPOSchedule:
         _, rewards, per_reward = self.score(traj.x0_hat, local_prompts)
         stats = {f"reward/{k}": self._dp_mean(v.mean()) for k, v in per_reward.items()}
         stats.update({"reward/mean": self._dp_mean(rewards.mean()), "reward/std": self._dp_std(rewards)})
+        if window is not None:  # MixGRPO's position or Flow-GRPO-Fast's branch point
+            stats["sde_window_start"] = float(window[0])
         try:
             groups = torch.tensor([s // self.s.num_generations for s in samples], device=self.device)
             adv = group_advantages(rewards, groups, clip_max=self.s.adv_clip_max, global_std=self.s.global_std,

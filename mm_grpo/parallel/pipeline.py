@@ -149,6 +149,10 @@ def forward_backward(model_chunks: Sequence[FluxTransformer], micro_batches: Seq
 
 
 # --- pipelined inference for the rollout -------------------------------------------------
+# Conditioning with one row per sample; txt_ids and img_ids are shared by the batch.
+PER_SAMPLE_CONDITIONING = ("encoder_hidden_states", "pooled_projections", "guidance")
+
+
 def make_velocity_fn(model_chunks: Sequence[FluxTransformer], cond: Dict, micro_batch_size: int):
     """velocity_fn(x [B, S_img, C], sigma [B]) -> v [B, S_img, C] on every model-parallel rank.
 
@@ -169,7 +173,7 @@ def make_velocity_fn(model_chunks: Sequence[FluxTransformer], cond: Dict, micro_
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     padding = (-num_microbatches) % pp if len(model_chunks) > 1 else 0
     config = get_attr_wrapped_model(model_chunks[0], "flux_config")
-    per_sample = [k for k in ("encoder_hidden_states", "pooled_projections", "guidance") if cond.get(k) is not None]
+    per_sample = [k for k in PER_SAMPLE_CONDITIONING if cond.get(k) is not None]
 
     def velocity_fn(x, sigma):
         if x.shape[0] != batch or sigma.shape != (batch,):
