@@ -191,7 +191,7 @@ class GRPOSchedule:
                          for k, v in cond.items()}
             return make_velocity_fn(self.policy_modules, rows_cond, math.gcd(len(rows), self.s.micro_batch_size))
 
-        groups = torch.tensor([s // self.s.num_generations for s in samples])
+        groups = torch.tensor([s // self.s.num_generations for s in samples], device=self.device)
         return SharedPrefix.of_groups(groups, velocity_over)
 
     def score(self, x0_hat, prompts):
