@@ -143,6 +143,10 @@ class GRPOSchedule:
         per_rank = self.s.global_batch_size // self.dp_size
         return range(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
 
+    def group_ids(self, samples: range) -> torch.Tensor:
+        """[B] the group (prompt) of each sample."""
+        return torch.tensor([s // self.s.num_generations for s in samples], device=self.device)
+
     def conditioning(self, prompts: List[str]):
         # A prompt appears G times in a batch: encode (or look up) each one once.
         unique = list(dict.fromkeys(prompts))
@@ -191,8 +195,7 @@ class GRPOSchedule:
                          for k, v in cond.items()}
             return make_velocity_fn(self.policy_modules, rows_cond, math.gcd(len(rows), self.s.micro_batch_size))
 
-        groups = torch.tensor([s // self.s.num_generations for s in samples], device=self.device)
-        return SharedPrefix.of_groups(groups, velocity_over)
+        return SharedPrefix.of_groups(self.group_ids(samples), velocity_over)
 
     def score(self, x0_hat, prompts):
         images = self.decoder(x0_hat, self.s.height, self.s.width)
@@ -298,8 +301,8 @@ class GRPOSchedule:
         if window is not None:  # MixGRPO's position or Flow-GRPO-Fast's branch point
             stats["sde_window_start"] = float(window[0])
         try:
-            groups = torch.tensor([s // self.s.num_generations for s in samples], device=self.device)
-            adv = group_advantages(rewards, groups, clip_max=self.s.adv_clip_max, global_std=self.s.global_std,
+            adv = group_advantages(rewards, self.group_ids(samples), clip_max=self.s.adv_clip_max,
+                                   global_std=self.s.global_std,
                                    process_group=self.dp_group if self.dp_size > 1 else None)
         except NonFiniteRewardError as e:
             return None, dict(stats, skipped=1.0, skip_reason=str(e), time_rollout=t1 - t0,

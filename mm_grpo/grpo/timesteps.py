@@ -20,6 +20,11 @@ def _check_args(batch_size: int, num_steps: int, fraction: float, min_steps: int
         raise ValueError(f"timestep fraction must be in (0, 1], got {fraction!r}")
 
 
+def _check_window_size(size: int, num_steps: int) -> None:
+    if not 1 <= size <= num_steps:
+        raise ValueError(f"window size must be in [1, {num_steps}] (the number of steps), got {size}")
+
+
 def _count(trainable: int, fraction: float) -> int:
     count = int(trainable * fraction)
     if count < 1:
@@ -60,8 +65,7 @@ class SlidingWindow:
 
     def bounds(self, iteration: int, num_steps: int) -> Tuple[int, int]:
         """(start, end) of the window at `iteration`: steps start..end-1 are SDE and trained."""
-        if not 1 <= self.size <= num_steps:
-            raise ValueError(f"window size must be in [1, {num_steps}] (the number of steps), got {self.size}")
+        _check_window_size(self.size, num_steps)
         if self.shift < 0 or self.every < 1 or iteration < 0:
             raise ValueError(
                 f"need shift >= 0, every >= 1, iteration >= 0; got {self.shift}, {self.every}, {iteration}"
@@ -81,8 +85,7 @@ def branch_window(size: int, num_steps: int, generator: Optional[torch.Generator
     """Flow-GRPO-Fast: the group branches at a random step. An SDE window of `size` steps whose
     start is drawn uniformly over all positions (once per iteration); ODE before it (the group's
     shared prefix, see `rollout.SharedPrefix`) and after it."""
-    if not 1 <= size <= num_steps:
-        raise ValueError(f"window size must be in [1, {num_steps}] (the number of steps), got {size}")
+    _check_window_size(size, num_steps)
     start = int(torch.randint(0, num_steps - size + 1, (1,), generator=generator))
     return start, start + size
 

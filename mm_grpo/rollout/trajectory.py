@@ -169,11 +169,11 @@ def rollout(
     ode_run = 0  # position in the current run of ODE steps
     for i in range(num_steps):
         ode_run = ode_run + 1 if not start <= i < end else 0
-        if shared_prefix is not None and i < start:
-            if (ode_run - 1) % ode_reuse == 0:
-                rows = shared_prefix.rows
-                v = shared_prefix.velocity_fn(x[rows], sigmas[i].repeat(len(rows)))[shared_prefix.inverse]
-        elif ode_run == 0 or (ode_run - 1) % ode_reuse == 0:
+        fresh = ode_run == 0 or (ode_run - 1) % ode_reuse == 0
+        if fresh and shared_prefix is not None and i < start:
+            rows = shared_prefix.rows
+            v = shared_prefix.velocity_fn(x[rows], sigmas[i].repeat(len(rows)))[shared_prefix.inverse]
+        elif fresh:
             v = velocity_fn(x, sigmas[i].repeat(batch))
         if noise is not None:
             eps = noise[:, i]
