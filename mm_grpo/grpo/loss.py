@@ -6,8 +6,6 @@ import torch
 
 from mm_grpo.training.flow_matching import flow_matching_loss
 
-POLICY_LOSSES = ("ppo", "awm")  # grpo_loss, awm_loss (--policy-loss)
-
 
 def grpo_loss(
     log_prob: torch.Tensor,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from mm_grpo.grpo.advantages import NonFiniteRewardError, group_advantages
-from mm_grpo.grpo.loss import POLICY_LOSSES, awm_loss, grpo_loss
+from mm_grpo.grpo.loss import awm_loss, grpo_loss
 from mm_grpo.grpo.timesteps import (SlidingWindow, branch_window, dance_grpo_timesteps, flow_grpo_timesteps,
                                     window_timesteps)
 from mm_grpo.parallel.pipeline import PER_SAMPLE_CONDITIONING, forward_backward, make_velocity_fn
@@ -62,8 +62,8 @@ class GRPOSettings:
                 f"parts, each divisible by data-parallel size {dp_size} x micro-batch size {self.micro_batch_size}")
         if self.ode_reuse < 1:
             raise ValueError(f"--ode-reuse must be >= 1, got {self.ode_reuse}")
-        if self.policy_loss not in POLICY_LOSSES:
-            raise ValueError(f"unknown --policy-loss {self.policy_loss!r}; choose {', '.join(POLICY_LOSSES)}")
+        if self.policy_loss not in OBJECTIVES:
+            raise ValueError(f"unknown --policy-loss {self.policy_loss!r}; choose {', '.join(OBJECTIVES)}")
         if self.timestep_selection == "branch" and not self.init_same_noise:
             raise ValueError("--timestep-selection branch needs --init-same-noise: a group branches from one "
                              "shared ODE prefix")
@@ -101,14 +101,62 @@ def draw_matching_noise(s: GRPOSettings, iteration: int, samples: range, num_tra
 
 
 def draw_trained_steps(s: GRPOSettings, iteration: int, samples: range, window=None) -> torch.Tensor:
-    """[B, K] indices of the transitions trained for each of `samples`."""
-    n, sel = s.num_inference_steps, s.timestep_selection
-    if sel in ("window", "branch"):
+    """[B, K] indices of the transitions trained for each of `samples`: the steps of the
+    iteration's SDE `window` when there is one (`GRPOSchedule.sde_window`), else drawn."""
+    n = s.num_inference_steps
+    if window is not None:
         return window_timesteps(len(samples), window, n)
-    if sel == "ordered":
+    if s.timestep_selection == "ordered":
         return flow_grpo_timesteps(len(samples), n, s.timestep_fraction)
     return torch.cat([dance_grpo_timesteps(1, n, s.timestep_fraction, generator=_generator(s.seed, iteration, 2, i))
                       for i in samples])
+
+
+class PPOObjective:
+    """PPO-clip on log-probs: a trained row is the rollout's transition x_t -> x_t+1 and its log-prob."""
+
+    def __init__(self, settings: GRPOSettings, sampler, sigmas):
+        self.s, self.sampler, self.sigmas = settings, sampler, sigmas
+
+    def draw(self, iteration: int, samples: range, num_trained: int, traj):
+        return None
+
+    def fields(self, traj, r, t, k, drawn) -> dict:
+        return dict(hidden_states=traj.latents[r, t], x_next=traj.latents[r, t + 1], sigma_next=self.sigmas[t + 1],
+                    old_log_prob=traj.log_probs[r, t])
+
+    def attach_reference(self, mb, v_ref):
+        mb["ref_mean"] = self.step(mb, v_ref).mean
+
+    def step(self, mb, v):
+        return self.sampler(mb["hidden_states"], v, mb["timestep"], mb["sigma_next"], x_next=mb["x_next"])
+
+    def loss(self, v, mb):
+        step = self.step(mb, v)
+        return grpo_loss(step.log_prob, mb["old_log_prob"], mb["advantages"], clip_range=self.s.clip_range,
+                         kl_beta=self.s.kl_beta, mean=step.mean, ref_mean=mb.get("ref_mean"), std=step.std)
+
+
+class AWMObjective(PPOObjective):
+    """Advantage-weighted matching: a trained row is the sample's x0 re-noised to the step's sigma
+    by forward-process noise drawn per (seed, iteration, sample)."""
+
+    def draw(self, iteration: int, samples: range, num_trained: int, traj):
+        noise = draw_matching_noise(self.s, iteration, samples, num_trained, *traj.x0_hat.shape[1:])
+        return noise.to(traj.x0_hat.device, traj.x0_hat.dtype)
+
+    def fields(self, traj, r, t, k, drawn) -> dict:
+        x0, noise = traj.x0_hat[r], drawn[r, k]
+        return dict(hidden_states=noisy_latents(x0, noise, self.sigmas[t]).to(traj.latents.dtype), x0=x0, noise=noise)
+
+    def attach_reference(self, mb, v_ref):
+        mb["ref_v"] = v_ref
+
+    def loss(self, v, mb):
+        return awm_loss(v, mb["x0"], mb["noise"], mb["advantages"], kl_beta=self.s.kl_beta, ref_v=mb.get("ref_v"))
+
+
+OBJECTIVES = {"ppo": PPOObjective, "awm": AWMObjective}  # --policy-loss
 
 
 class GRPOSchedule:
@@ -135,6 +183,7 @@ class GRPOSchedule:
             raise ValueError("--kl-beta > 0 needs a reference policy")
         self.sampler = get_sampler(settings.sampler, settings.noise_level)
         self.sigmas = sigma_schedule(settings.num_inference_steps, settings.sigma_shift).to(self.device)
+        self.objective = OBJECTIVES[settings.policy_loss](settings, self.sampler, self.sigmas)
         self.window = SlidingWindow(size=settings.window_size, every=settings.window_shift_every)
         self.grid = (settings.height // 16, settings.width // 16)  # packed latent grid (VAE 8 x pack 2)
 
@@ -202,49 +251,32 @@ class GRPOSchedule:
         total, per_reward = self.reward(images, prompts)
         return images, total.float().to(self.device), {k: v.float().to(self.device) for k, v in per_reward.items()}
 
-    def micro_batches(self, traj, cond, advantages, steps, rows, matching_noise=None):
-        """(trajectory, timestep) pairs as forward kwargs: the k-th trained step of `mbs` samples.
-
-        ppo: the rollout's transition and its log-prob; awm: the sample x0 re-noised to that step's
-        sigma with `matching_noise` [B, K, S, C]."""
+    def micro_batches(self, traj, cond, advantages, steps, rows, drawn=None):
+        """(trajectory, timestep) pairs as forward kwargs: the k-th trained step of `mbs` samples;
+        what a row holds besides the conditioning is the objective's (`drawn`: its `draw`)."""
         mbs, out = self.s.micro_batch_size, []
         for k in range(steps.shape[1]):
             for j in range(0, len(rows), mbs):
                 r = torch.as_tensor(rows[j:j + mbs])
                 t = steps[r, k].to(self.device)
-                if self.s.policy_loss == "awm":
-                    x0, noise = traj.x0_hat[r], matching_noise[r, k]
-                    fields = dict(hidden_states=noisy_latents(x0, noise, self.sigmas[t]).to(traj.latents.dtype),
-                                  x0=x0, noise=noise)
-                else:
-                    fields = dict(hidden_states=traj.latents[r, t], x_next=traj.latents[r, t + 1],
-                                  sigma_next=self.sigmas[t + 1], old_log_prob=traj.log_probs[r, t])
                 out.append(dict(
-                    fields, timestep=self.sigmas[t], advantages=advantages[r],
+                    self.objective.fields(traj, r, t, k, drawn), timestep=self.sigmas[t], advantages=advantages[r],
                     encoder_hidden_states=cond["encoder_hidden_states"][r],
                     pooled_projections=cond["pooled_projections"][r], guidance=cond["guidance"][r],
                     txt_ids=cond["txt_ids"], img_ids=cond["img_ids"]))
         return out
 
     def attach_reference(self, micro_batches):
-        """Reference-policy step means (ppo) or velocities (awm) for the KL term (forward-only)."""
+        """The reference policy's velocity on each row, for the objective's KL term (forward-only)."""
         for mb in micro_batches:
             cond = {k: mb[k] for k in ("encoder_hidden_states", "pooled_projections", "txt_ids", "img_ids",
                                        "guidance")}
             v_ref = make_velocity_fn(self.ref_policy, cond, self.s.micro_batch_size)(mb["hidden_states"],
                                                                                        mb["timestep"])
-            if self.s.policy_loss == "awm":
-                mb["ref_v"] = v_ref
-            else:
-                mb["ref_mean"] = self.sampler(mb["hidden_states"], v_ref, mb["timestep"], mb["sigma_next"],
-                                              x_next=mb["x_next"]).mean
+            self.objective.attach_reference(mb, v_ref)
 
     def loss_fn(self, v, mb):
-        if self.s.policy_loss == "awm":
-            return awm_loss(v, mb["x0"], mb["noise"], mb["advantages"], kl_beta=self.s.kl_beta, ref_v=mb.get("ref_v"))
-        step = self.sampler(mb["hidden_states"], v, mb["timestep"], mb["sigma_next"], x_next=mb["x_next"])
-        return grpo_loss(step.log_prob, mb["old_log_prob"], mb["advantages"], clip_range=self.s.clip_range,
-                         kl_beta=self.s.kl_beta, mean=step.mean, ref_mean=mb.get("ref_mean"), std=step.std)
+        return self.objective.loss(v, mb)
 
     def update(self, micro_batches):
         """One optimizer step over `micro_batches` (gradients accumulated over all of them)."""
@@ -308,13 +340,10 @@ class GRPOSchedule:
             return None, dict(stats, skipped=1.0, skip_reason=str(e), time_rollout=t1 - t0,
                               time_reward=time.time() - t1)
         stats.update({"adv/mean": self._dp_mean(adv.mean()), "adv/abs_max": self._dp_max(adv.abs().max())})
-        steps = self.trained_steps(iteration, samples)
-        noise = None
-        if self.s.policy_loss == "awm":
-            noise = draw_matching_noise(self.s, iteration, samples, steps.shape[1], *traj.x0_hat.shape[1:])
-            noise = noise.to(self.device, traj.x0_hat.dtype)
+        steps = draw_trained_steps(self.s, iteration, samples, window)
+        drawn = self.objective.draw(iteration, samples, steps.shape[1], traj)
         parts = torch.arange(len(samples)).chunk(self.s.updates_per_rollout)
-        updates = [self.micro_batches(traj, cond, adv, steps, part.tolist(), noise) for part in parts]
+        updates = [self.micro_batches(traj, cond, adv, steps, part.tolist(), drawn) for part in parts]
         stats.update(time_rollout=t1 - t0, time_reward=time.time() - t1)
         return updates, stats
 

@@ -163,14 +163,14 @@ def check(spec: PromptSpec, objects: Sequence[Detection], background: str,
     return atoms
 
 
-def f1_score(spec: PromptSpec, objects: Sequence[Detection], background: str,
-             cfg: DetectorConfig = DetectorConfig()) -> float:
-    """F1 of the objects (2 matched / (found + named)), x 1/2 for each scene atom missed."""
+def f1_score(spec: PromptSpec, objects: Sequence[Detection], atoms: Sequence[bool]) -> float:
+    """F1 of the objects (2 matched / (found + named)), x 1/2 for each scene atom of `check`'s
+    `atoms` (relation, background) missed."""
     matched = sum(min(group.count, len(_instances(group, objects))) for group in spec.objects)
     named = sum(group.count for group in spec.objects)
-    missed = [spec.relation and not _relation_atom(spec, objects, cfg),
-              spec.background and background != spec.background]
-    return 2 * matched / (len(objects) + named) * 0.5 ** sum(map(bool, missed))
+    met = dict(zip(atom_names(spec), atoms))
+    missed = sum(not met[name] for name in ("relation", "background") if name in met)
+    return 2 * matched / (len(objects) + named) * 0.5 ** missed
 
 
 def atom_names(spec: PromptSpec) -> List[str]:
@@ -217,7 +217,7 @@ def score(images: torch.Tensor, prompts: Sequence[str], cfg: DetectorConfig = De
     objects, backgrounds = detect(images, cfg)
     atoms = [check(s, o, bg, cfg) for s, o, bg in zip(specs, objects, backgrounds)]
     frac = torch.tensor([sum(a) / len(a) for a in atoms], dtype=torch.float32)
-    f1 = torch.tensor([f1_score(s, o, bg, cfg) for s, o, bg in zip(specs, objects, backgrounds)], dtype=torch.float32)
+    f1 = torch.tensor([f1_score(s, o, a) for s, o, a in zip(specs, objects, atoms)], dtype=torch.float32)
     return Scores(frac, torch.tensor([float(all(a)) for a in atoms]), f1)
 
 

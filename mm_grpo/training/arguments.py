@@ -8,7 +8,7 @@ import argparse
 import json
 import os
 
-from mm_grpo.grpo.loss import POLICY_LOSSES
+from mm_grpo.grpo.schedule import OBJECTIVES
 from mm_grpo.rollout.samplers import SAMPLERS
 
 
@@ -93,7 +93,7 @@ def _add_grpo_args(p):
     g.add_argument("--adv-clip-max", type=float, default=5.0)
     g.add_argument("--global-std", action="store_true", help="normalise advantages by the global std")
     g.add_argument("--kl-beta", type=float, default=0.0)
-    g.add_argument("--policy-loss", default="ppo", choices=POLICY_LOSSES,
+    g.add_argument("--policy-loss", default="ppo", choices=list(OBJECTIVES),
                    help="ppo: PPO-clip on the rollout's log-probs (DanceGRPO / Flow-GRPO); awm: advantage-weighted "
                         "flow matching on the rollout's samples (AWM / DiffusionNFT; any sampler, ode included)")
     g.add_argument("--updates-per-rollout", type=int, default=1,
