@@ -9,6 +9,14 @@ from mm_grpo.rewards.base import REWARDS, Reward, register_reward
 TRAIN_PROMPTS = ["a red circle", "a blue square", "a green triangle", "two yellow circles",
                  "a purple square above a circle", "an orange triangle"]
 EVAL_PROMPTS = ["a white circle", "a black square"]
+# The world-size-2 layouts the multi-process GRPO and flow-matching runs are compared under.
+LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"], "sp2": ["--context-parallel-size", "2"],
+           "pp2": ["--pipeline-model-parallel-size", "2"], "dp2": []}
+# Adam's first steps move every weight by about +-lr whatever the size of its gradient (update
+# ~ lr * g / |g|), so a gradient of 1e-9 whose sign depends on the summation order (TP/SP reduce
+# in another order) would become a 1e-3 weight difference. A large epsilon keeps the update
+# proportional to the gradient, so the comparison measures the layouts, not Adam's sign amplification.
+ADAM_LINEAR = ["--adam-eps", "1e-3"]
 
 
 if "test_smooth" not in REWARDS:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mm_grpo.data import shapes
-from mm_grpo.data.shapes import CaptionSampler, ObjectSpec, PlacedObject, PromptSpec, Scene, render, sample_scene
+from mm_grpo.data.shapes import CaptionSampler, PlacedObject, PromptSpec, Scene, render, sample_scene
 from mm_grpo.rewards import CombinedReward, build_reward, compositional
 from mm_grpo.rewards.compositional import _components, atom_names, breakdown, check, detect, reference_levels, score
 

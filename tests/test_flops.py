@@ -11,7 +11,7 @@ from tests.fixtures import parallel_1proc  # noqa: F401
 N_TXT, GRID, BATCH = 7, (3, 4), 2
 
 
-def _inputs(config, requires_grad=False):
+def _inputs(config):
     g = torch.Generator().manual_seed(0)
     n_img = GRID[0] * GRID[1]
     return dict(

@@ -82,7 +82,7 @@ def test_compiled_blocks_match_eager_and_share_their_code(parallel_1proc):
             assert rel_err(grads[name], g) <= TOL, name
     # 2 double + 4 single blocks; a graph per block kind, forward and backward (x2 for the
     # recompute variant): not one per block.
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4
+    assert 0 < torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4
 
 
 def test_bf16_autocast_stays_close_and_rope_stays_fp32(parallel_1proc):

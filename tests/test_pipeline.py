@@ -1,5 +1,4 @@
 """The tiny FLUX pipeline folder and the pipeline pieces, checked against diffusers' FluxPipeline."""
-import hashlib
 import json
 
 import pytest

@@ -6,6 +6,7 @@ import torch
 from PIL import Image
 
 from mm_grpo.rewards import REWARDS, CombinedReward, Reward, RewardConfig, build_reward
+from tests.utils import assert_one_line_error
 
 
 def _flat_and_noisy(size=64):
@@ -47,9 +48,7 @@ def test_config_errors_are_one_line(cfg, error, match, monkeypatch):
 
     # Errors must come before any model is built.
     monkeypatch.setattr(open_clip, "create_model", lambda *a, **k: pytest.fail("model built before the check"))
-    with pytest.raises(error, match=match) as info:
-        build_reward(cfg)
-    assert "\n" not in str(info.value)
+    assert_one_line_error(lambda: build_reward(cfg), match, error)
 
 
 def test_jpeg_rewards_sign_and_values():

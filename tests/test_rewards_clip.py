@@ -14,6 +14,7 @@ from PIL import Image
 from torch import nn
 
 from mm_grpo.rewards import build_reward
+from tests.utils import assert_one_line_error
 
 ARCH = "mmgrpo-tiny-clip"
 PROMPTS = ["a photo of a cat sitting on a red chair", "two dogs playing in the snow", "a bowl of fruit"]
@@ -79,9 +80,8 @@ def test_open_clip_errors(open_clip_checkpoint, tmp_path):
         build_reward({"name": "clip_score", "path": str(open_clip_checkpoint), "arch": "ViT-Q-99"})
     bad = tmp_path / "other.pt"
     torch.save({"visual.proj": torch.zeros(3)}, bad)
-    with pytest.raises(ValueError, match=f"is not an open_clip {ARCH} checkpoint") as info:
-        build_reward({"name": "hps", "path": str(bad), "arch": ARCH})
-    assert "\n" not in str(info.value)
+    assert_one_line_error(lambda: build_reward({"name": "hps", "path": str(bad), "arch": ARCH}),
+                          f"is not an open_clip {ARCH} checkpoint")
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="is not an open_clip"):

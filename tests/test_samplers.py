@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from mm_grpo.rollout import SAMPLERS, get_sampler, ode_step, sigma_schedule
+from tests.utils import assert_one_line_error
 
 SDE_SAMPLERS = ["dance_sde", "flow_sde", "cps"]
 B, S, C = 3, 8, 4
@@ -149,25 +150,19 @@ def test_cps_into_zero_is_deterministic():
         get_sampler("cps")(x, v, torch.tensor([0.2, 0.2, 0.3]), torch.tensor([0.0, 0.1, 0.2]), eps=eps)
 
 
-def _one_line_error(fn, match):
-    with pytest.raises(ValueError, match=match) as info:
-        fn()
-    assert "\n" not in str(info.value)
-
-
 def test_bad_input_gives_one_line_errors():
     x, v, eps = _inputs(torch.float32)
     step = get_sampler("dance_sde")
-    _one_line_error(lambda: get_sampler("ddim"), "unknown sampler 'ddim'; valid samplers: " + ", ".join(SAMPLERS))
-    _one_line_error(lambda: step(x, v[:, :4], 0.5, 0.4, eps=eps), r"v has shape \(3, 4, 4\) but x has \(3, 8, 4\)")
-    _one_line_error(lambda: step(x, v, 0.5, 0.4, eps=eps[:2]), "eps has shape")
-    _one_line_error(lambda: step(x, v, torch.ones(2), 0.4, eps=eps), r"sigma must be a scalar or a \[B=3\]")
-    _one_line_error(lambda: step(x, v, 0.5, 0.4), "needs eps")
-    _one_line_error(lambda: step(x, v, 0.5, 0.4, eps=eps, x_next=x), "not both")
-    _one_line_error(lambda: step(x, v, 0.4, 0.5, eps=eps), "sigma_next must be < sigma")
-    _one_line_error(lambda: step(x[0, 0], v[0, 0], 0.5, 0.4, eps=eps[0, 0]), "at least 2 dims")
-    _one_line_error(lambda: get_sampler("cps", noise_level=1.5), r"cps noise_level must be in \(0, 1.0\]")
-    _one_line_error(lambda: get_sampler("flow_sde", noise_level=0.0), "flow_sde noise_level")
-    _one_line_error(lambda: get_sampler("ode", noise_level=0.3), "takes no noise_level")
-    _one_line_error(lambda: sigma_schedule(0), "num_steps must be an integer >= 1")
-    _one_line_error(lambda: sigma_schedule(16, shift=0.0), "shift must be > 0")
+    assert_one_line_error(lambda: get_sampler("ddim"), "unknown sampler 'ddim'; valid samplers: " + ", ".join(SAMPLERS))
+    assert_one_line_error(lambda: step(x, v[:, :4], 0.5, 0.4, eps=eps), r"v has shape \(3, 4, 4\) but x has \(3, 8, 4\)")
+    assert_one_line_error(lambda: step(x, v, 0.5, 0.4, eps=eps[:2]), "eps has shape")
+    assert_one_line_error(lambda: step(x, v, torch.ones(2), 0.4, eps=eps), r"sigma must be a scalar or a \[B=3\]")
+    assert_one_line_error(lambda: step(x, v, 0.5, 0.4), "needs eps")
+    assert_one_line_error(lambda: step(x, v, 0.5, 0.4, eps=eps, x_next=x), "not both")
+    assert_one_line_error(lambda: step(x, v, 0.4, 0.5, eps=eps), "sigma_next must be < sigma")
+    assert_one_line_error(lambda: step(x[0, 0], v[0, 0], 0.5, 0.4, eps=eps[0, 0]), "at least 2 dims")
+    assert_one_line_error(lambda: get_sampler("cps", noise_level=1.5), r"cps noise_level must be in \(0, 1.0\]")
+    assert_one_line_error(lambda: get_sampler("flow_sde", noise_level=0.0), "flow_sde noise_level")
+    assert_one_line_error(lambda: get_sampler("ode", noise_level=0.3), "takes no noise_level")
+    assert_one_line_error(lambda: sigma_schedule(0), "num_steps must be an integer >= 1")
+    assert_one_line_error(lambda: sigma_schedule(16, shift=0.0), "shift must be > 0")

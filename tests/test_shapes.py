@@ -65,7 +65,12 @@ def test_rendered_colours_and_areas_match_the_scene():
     for obj, ideal in zip(scene.objects, (np.pi / 4, 1.0, 0.5)):
         count = (np.abs(pixels - shapes.COLORS[obj.color]).sum(-1) < 30).sum()
         assert count == pytest.approx(ideal * obj.size ** 2, rel=0.2), obj
-    assert (np.abs(pixels[0, 0] - shapes.BACKGROUNDS[scene.background]) <= 1).all() or scene.objects
+    outside = np.ones(pixels.shape[:2], dtype=bool)  # pixels 1 away from every object's box (edges antialiased)
+    for obj in scene.objects:
+        x0, y0, x1, y1 = obj.box()
+        outside[max(int(y0) - 1, 0):int(y1) + 2, max(int(x0) - 1, 0):int(x1) + 2] = False
+    assert outside.sum() > pixels.shape[0] * pixels.shape[1] / 2
+    assert (np.abs(pixels[outside] - shapes.BACKGROUNDS[scene.background]) <= 1).all()
 
 
 def test_controls_restrict_what_is_drawn():

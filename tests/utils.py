@@ -1,4 +1,5 @@
 """Shared helpers for tests: random diffusers references, inputs, errors, TP gathering."""
+import pytest
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -9,6 +10,13 @@ from mm_grpo.models.flux import FluxConfig, layout
 def rel_err(a, b):
     """max |a - b| / max |b|."""
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def assert_one_line_error(fn, match, exc=ValueError):
+    """fn() raises `exc` with a message matching `match` on a single line."""
+    with pytest.raises(exc, match=match) as info:
+        fn()
+    assert "\n" not in str(info.value)
 
 
 def random_reference(config: FluxConfig, seed=0, std=0.1):

@@ -6,8 +6,6 @@ score is exactly that (values about 0.2-0.4); PickScore's reference multiplies b
 exp(logit_scale) (about 100), a constant that the reward `weight` can carry. Images are
 preprocessed on the device by `ClipPreprocess`, bit-exact with the PIL reference path.
 """
-import torch
-
 from mm_grpo.rewards.base import Reward, register_reward
 from mm_grpo.rewards.preprocess import ClipPreprocess
 

@@ -9,7 +9,6 @@ import os
 import queue
 import threading
 
-import torch
 import torch.distributed as dist
 
 

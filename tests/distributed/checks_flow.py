@@ -10,13 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed.worker import check
-from tests.grpo_helpers import write_run_configs
-
-LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"], "sp2": ["--context-parallel-size", "2"],
-           "pp2": ["--pipeline-model-parallel-size", "2"], "dp2": []}
-# Adam's first steps are sign-like (update ~ lr * g / |g|), so float-level gradient differences
-# between layouts flip tiny updates; a large epsilon makes the update linear in the gradient.
-ADAM_LINEAR = ["--adam-eps", "1e-3"]
+from tests.grpo_helpers import ADAM_LINEAR, LAYOUTS, write_run_configs
 
 
 def write_flow_configs(folder, pipeline_dir, num_images=8, reward=None):

@@ -3,7 +3,7 @@ PPO loss, with advantage-weighted matching (ode rollout) and with Flow-GRPO-Fast
 
 Each layout writes its losses, rewards and final weights (diffusers names) to
 $MM_GRPO_TEST_OUT; tests/distributed/test_grpo_distributed.py compares them with a
-single-process run.
+single-process run. Also: group advantages gathered over the two ranks.
 """
 import os
 
@@ -11,21 +11,36 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed.worker import check
-from tests.grpo_helpers import SMOOTH_REWARD, grpo_argv, run_grpo, write_configs
+from tests.grpo_helpers import ADAM_LINEAR, LAYOUTS, SMOOTH_REWARD, grpo_argv, run_grpo, write_configs
 from tests.utils import gather_hf_state_dict
 
-# Adam's first steps move every weight by about +-lr whatever the size of its gradient, so a
-# gradient of 1e-9 whose sign depends on the summation order (TP/SP reduce in another order)
-# would become a 1e-3 weight difference. A large epsilon keeps the update proportional to the
-# gradient, so the comparison measures the layouts, not Adam's sign amplification.
-ADAM_LINEAR = ["--adam-eps", "1e-3"]
-LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"], "sp2": ["--context-parallel-size", "2"],
-           "pp2": ["--pipeline-model-parallel-size", "2"], "dp2": []}
 AWM = ["--policy-loss", "awm", "--sampler", "ode"]
 # Seed 3 puts the 3-step window at steps 3-5 of 6 (a shared 3-step ODE prefix, its middle step
 # reused) and then at steps 0-2 (no prefix).
 BRANCH = ["--timestep-selection", "branch", "--init-same-noise", "--window-size", "3", "--ode-reuse", "2"]
 VARIANTS = {"ppo": [], "awm": AWM, "branch": BRANCH}
+# Group advantages gathered over 2 ranks: unequal row counts, groups spanning both ranks.
+ADVANTAGE_REWARDS = [0.3, 0.9, 0.1, 0.4, 0.8, 0.2, 0.7, 0.6]
+ADVANTAGE_PROMPTS = ["p0", "p1", "p0", "p1", "p0", "p1", "p0", "p1"]
+
+
+@check(2)
+def advantages_gathered():
+    from mm_grpo.grpo import NonFiniteRewardError, group_advantages
+    rows = slice(0, 3) if dist.get_rank() == 0 else slice(3, 8)
+    rewards, prompts = torch.tensor(ADVANTAGE_REWARDS)[rows], ADVANTAGE_PROMPTS[rows]
+    mine = {"group": group_advantages(rewards, prompts, process_group=dist.group.WORLD).tolist(),
+            "global": group_advantages(rewards, prompts, global_std=True, process_group=dist.group.WORLD).tolist()}
+    bad = rewards.clone()
+    if dist.get_rank() == 1:
+        bad[0] = float("nan")
+    try:
+        group_advantages(bad, prompts, process_group=dist.group.WORLD)
+    except NonFiniteRewardError as err:  # must be raised on rank 0 too, which holds no NaN
+        mine["error"] = str(err)
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    return {"ranks": ranks}
 
 
 def _layout_argv(name):

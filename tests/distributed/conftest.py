@@ -1,19 +1,14 @@
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from mm_grpo.parallel.state import _free_port
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCH_TIMEOUT_S = 900
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(nproc, tmp_dir, extra_env):

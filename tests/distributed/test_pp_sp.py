@@ -9,7 +9,7 @@ LAYOUTS = ["tp2_sp2", "tp2_pp2", "pp2_sp2", "pp2_sp2_megatron_ddp", "pp4", "pp4_
 
 def _assert_parity(m, prefix=""):
     assert m[prefix + "n_micro_batches"] == 4
-    assert m[prefix + "all_grads_compared"], "some parameters' gradients were not compared"
+    assert m[prefix + "all_grads_compared"] and m[prefix + "n_grads"] > 50, "some parameters' gradients were not compared"
     assert m[prefix + "out_err"] <= TOL
     assert m[prefix + "loss_err"] <= TOL
     assert m[prefix + "grad_err"] <= TOL
