@@ -130,6 +130,8 @@ def test_awm_trains_on_the_rollout_samples_renoised_to_the_trained_steps(paralle
     assert any(not torch.equal(before[n], w) for n, w in _weights(run).items())
     with pytest.raises(ValueError, match="ode sampler has no log-probabilities.*--policy-loss awm"):
         _error(grpo_argv(*configs, extra=["--sampler", "ode"]))
+    with pytest.raises(ValueError, match="draws the same image G times"):
+        _error(grpo_argv(*configs, extra=["--sampler", "ode", "--policy-loss", "awm", "--init-same-noise"]))
 
 
 # --- bad input: clear errors before any work ------------------------------------------
@@ -162,6 +164,8 @@ def test_config_paths_resolve_like_a_shell(tmp_path, monkeypatch):
     assert out["ae"]["from_pretrained"] == str(tmp_path / "models/flux")  # set in the shell: from the cwd
     assert out["predictor"]["from_pretrained"] == "/configs/weights/transformer"  # written in the JSON
     assert out["reward"][0]["path"] == "/abs/hps.pt" and out["comment"] == "models/flux stays a string"
+    monkeypatch.setenv("EVAL_PROMPT_FILE", "")  # grpo_flux.sh exports it empty when not given: no evaluation
+    assert resolve_paths({"eval_prompt_file": "$EVAL_PROMPT_FILE"}, "/configs") == {"eval_prompt_file": ""}
     monkeypatch.delenv("PIPELINE_DIR")
     with pytest.raises(ValueError, match="undefined environment variable in config value '\\$PIPELINE_DIR'"):
         resolve_paths(cfg, "/configs")
@@ -194,11 +198,14 @@ def test_bf16_is_refused_on_cpu_before_any_work(parallel_1proc, configs):
 
 def test_held_out_evaluation_and_figures(parallel_1proc, tiny_pipeline_dir, tmp_path):
     """Evaluation before training and at the end (fixed ODE noise: equal weights give equal
-    scores), and the two PNGs in the run folder."""
+    scores), sample grids every --save-image-interval (an evaluation of its own between the
+    --eval-interval ones), and the two PNGs in the run folder."""
     smooth = write_configs(tmp_path / "cfg", tiny_pipeline_dir, reward=SMOOTH_REWARD)  # JPEG sizes are steps
     history, run = run_grpo(grpo_argv(*smooth, iters=2, extra=["--eval-interval", "2", "--eval-prompts", "2",
+                                                               "--save-image-interval", "1",
                                                                "--tensorboard-dir", str(tmp_path)]))
-    assert sorted(run.evaluations) == [0, 2]
+    assert sorted(run.evaluations) == [0, 1, 2]
+    assert sorted(p.name for p in (tmp_path / "samples").glob("*.png")) == ["eval_000001.png", "eval_000002.png"]
     again = run.evaluator(run.schedule.policy_modules).stats
     assert again == run.evaluations[2]  # deterministic: same weights, same noise
     assert run.evaluations[0] != run.evaluations[2]  # the weights moved

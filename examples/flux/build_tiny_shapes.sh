@@ -15,11 +15,8 @@
 set -euo pipefail
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$SCRIPT_DIR/../.." && pwd)"
-if [ -n "${MM_GRPO_PYTHON:-}" ]; then PY="$MM_GRPO_PYTHON"
-elif python3 -c "import mm_grpo" 2>/dev/null; then PY=python3
-else bash "$REPO/shell/setup_env.sh"; PY="${MM_GRPO_VENV:-$REPO/.venv}/bin/python"; fi
-export MM_GRPO_PYTHON="$PY" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
-cd "$REPO"
+source "$REPO/shell/launch_env.sh"  # PY, DEVICE; OUT / WORK made absolute; cd REPO
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
 
 OUT="${OUT:-$SCRIPT_DIR/tiny_shapes}"; WORK="${WORK:-$REPO/runs/build_tiny_shapes}"
 SEED="${SEED:-0}"; NUM_IMAGES="${NUM_IMAGES:-6000}"; VAE_STEPS="${VAE_STEPS:-2000}"
@@ -29,10 +26,10 @@ rm -rf "$WORK"; mkdir -p "$WORK"
 START=$SECONDS; LAST=$SECONDS
 stage() { echo "$1 $((SECONDS - LAST)) s" | tee -a "$WORK/times.txt"; LAST=$SECONDS; }
 
-# 0. The caption split is part of the repository; check that it is the one the seed gives.
-"$PY" -m mm_grpo.data.shapes split --out "$WORK/prompts" --seed "$SEED" > /dev/null
+# 0. The caption split is part of the repository (split seed 0, whatever SEED is): check it.
+"$PY" -m mm_grpo.data.shapes split --out "$WORK/prompts" --seed 0 > /dev/null
 for f in pretrain grpo eval; do cmp -s "$WORK/prompts/$f.txt" "$PROMPTS/$f.txt" \
-  || { echo "build_tiny_shapes.sh: $PROMPTS/$f.txt differs from the seed-$SEED split" >&2; exit 2; }; done
+  || { echo "build_tiny_shapes.sh: $PROMPTS/$f.txt differs from the seed-0 split" >&2; exit 2; }; done
 
 "$PY" -m mm_grpo.data.shapes generate --out "$WORK/data" --num-images "$NUM_IMAGES" --seed "$SEED" \
   --exclude "$PROMPTS/grpo.txt" "$PROMPTS/eval.txt"

@@ -3,7 +3,8 @@
 #
 #   bash examples/flux/grpo_flux.sh                 # no accelerator: the tiny CPU demo, 2 processes
 #                                                   # (GRPO of the shipped tiny shapes FLUX, docs/demo.md;
-#                                                   # ~16 min on 2 cores; ITERS=60 GBS=32: a 3-min look)
+#                                                   # ~16 min on 2 cores; ITERS=60 GBS=32 MBS=4 LR=3e-5:
+#                                                   # a 3-min look)
 #   PIPELINE_DIR=/models/FLUX.1-dev HPS_PATH=/models/HPS_v2.1_compressed.pt \
 #   PROMPT_FILE=prompts.txt NPUS_PER_NODE=8 TP=2 bash examples/flux/grpo_flux.sh [extra trainer args]
 #
@@ -18,13 +19,16 @@
 #   NPUS_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT   torchrun (multi-node)
 #   GBS MBS G STEPS ITERS LR SEED  batch, micro-batch, generations per prompt, denoising steps,
 #                                  iterations, learning rate, seed
-#   SAMPLER TIMESTEPS CLIP         dance_sde | flow_sde | cps (| ode with POLICY_LOSS=awm); random | ordered | window
+#   SAMPLER TIMESTEPS CLIP         dance_sde | flow_sde | cps (| ode with POLICY_LOSS=awm SAME_NOISE=0); random | ordered | window
 #                                  (MixGRPO) | branch (Flow-GRPO-Fast: sets SAME_NOISE=1); clip range
 #   WINDOW ODE_REUSE               SDE steps of the window / branch; model every k-th ODE step outside it
 #   POLICY_LOSS    ppo (PPO-clip on log-probs) | awm (advantage-weighted flow matching, docs/grpo_schedule.md section 7)
 #   SAME_NOISE=1   the same initial noise for a prompt's G generations (DanceGRPO's init_same_noise;
 #                  on in the CPU demo)
 #   EVAL_INTERVAL  held-out evaluation (before training, every EVAL_INTERVAL iterations, at the end)
+#   EVAL_PROMPTS   held-out prompts per evaluation (the CPU demo: all of EVAL_PROMPT_FILE)
+#   IMAGE_INTERVAL a grid of held-out samples every IMAGE_INTERVAL iterations (RUN_DIR/samples)
+#   SAVE_INTERVAL LOG_INTERVAL     checkpoint and log intervals in iterations
 #   RUN_DIR        output folder (TensorBoard logs, checkpoints, image grids, reward_curve.png and
 #                  before_after.png)
 set -euo pipefail
@@ -37,7 +41,7 @@ RUN_DIR="${RUN_DIR:-$REPO/runs/grpo_flux_$(date +%Y%m%d_%H%M%S)}"
 mkdir -p "$RUN_DIR"
 if [ -z "${PIPELINE_DIR:-}" ]; then
   if [ "$DEVICE" != "cpu" ]; then
-    echo "grpo_flux.sh: set PIPELINE_DIR to a FLUX pipeline folder (the tiny demo is for CPU)" >&2; exit 2
+    echo "grpo_flux.sh: set PIPELINE_DIR to a FLUX pipeline folder, or run the tiny demo on the CPU with MM_GRPO_DEVICE=cpu" >&2; exit 2
   fi
   # The CPU demo: the tiny shapes FLUX shipped in examples/flux/tiny_shapes (pretrained by
   # build_tiny_shapes.sh), GRPO with the rule-based compositional reward on caption combinations

@@ -8,13 +8,18 @@
 #   PIPELINE_DIR   diffusers FLUX pipeline folder (its VAE and text encoders encode the data)
 #   DATA_DIR       image-caption folder: metadata.jsonl ({"file_name": ..., "text": ...} per line) + images
 #   MODEL_JSON DATA_JSON   configs (default: model_flow.json, data_flow.json)
-#   EVAL_PROMPT_FILE       held-out prompts, ODE-sampled every EVAL_INTERVAL iterations (optional)
+#   EVAL_PROMPT_FILE       held-out prompts, ODE-sampled and scored every EVAL_INTERVAL iterations
+#                          (default 500; optional; needs a "reward" block in MODEL_JSON, as in
+#                          model_flow_shapes.json)
 #   LOAD           a training checkpoint to resume, or a converted checkpoint to start from;
 #                  SAVE where to save (default: RUN_DIR/ckpt)
 #   TP PP CP       tensor / pipeline / context(Ulysses) parallel sizes
 #   NPUS_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT   torchrun (multi-node)
 #   GBS MBS ITERS LR WARMUP SHIFT   batch, micro-batch, iterations, learning rate, warm-up
 #                                   iterations, sigma shift (default: FLUX's resolution rule)
+#   DECAY WD SEED GUIDANCE          lr decay style (constant), weight decay (1e-4), seed (1234),
+#                                   guidance embedding value (3.5)
+#   SAVE_INTERVAL LOG_INTERVAL      checkpoint (500) and log (50) intervals in iterations
 #   RUN_DIR        output folder (TensorBoard logs, checkpoints, sample grids)
 set -euo pipefail
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

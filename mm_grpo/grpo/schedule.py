@@ -69,6 +69,9 @@ class GRPOSettings:
                              "shared ODE prefix")
         if self.sampler == "ode" and self.policy_loss == "ppo":
             raise ValueError("the ode sampler has no log-probabilities: choose an SDE sampler, or --policy-loss awm")
+        if self.sampler == "ode" and self.init_same_noise:
+            raise ValueError("--sampler ode with --init-same-noise draws the same image G times (every advantage 0): "
+                             "drop --init-same-noise (SAME_NOISE=0)")
 
     @property
     def prompts_per_iteration(self) -> int:

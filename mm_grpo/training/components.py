@@ -35,7 +35,7 @@ def _is_path(key: str, value) -> bool:
 
 def _absolute(value: str, base_dir: str) -> str:
     expanded = _expand(value)
-    if os.path.isabs(expanded):
+    if not expanded or os.path.isabs(expanded):  # "$EVAL_PROMPT_FILE" set to "": the option is off
         return expanded
     return os.path.normpath(os.path.join(os.getcwd() if value.startswith("$") else base_dir, expanded))
 

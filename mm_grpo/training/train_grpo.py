@@ -115,7 +115,7 @@ class GRPORun:
                 eval_due = bool(args.eval_interval) and (done % args.eval_interval == 0 or done == args.train_iters)
                 image_due = bool(args.save_image_interval) and done % args.save_image_interval == 0
                 if (eval_due or image_due) and self.evaluator:
-                    last = self.evaluate(done, logger if eval_due else None, save_images=image_due)
+                    last = self.evaluate(done, logger, log_stats=eval_due, save_images=image_due)
                 if args.save and args.save_interval and done % args.save_interval == 0:
                     self.save(done)
             if args.save and (not args.save_interval or args.train_iters % args.save_interval):
@@ -138,15 +138,15 @@ class GRPORun:
     def image_dir(self):
         return os.path.join(self.run_dir, "samples") if self.run_dir else None
 
-    def evaluate(self, iteration, logger=None, save_images=False):
-        """Held-out evaluation of the current policy (recorded in `evaluations`); the EvalResult."""
+    def evaluate(self, iteration, logger=None, log_stats=True, save_images=False):
+        """Held-out evaluation of the current policy (recorded in `evaluations`); the EvalResult.
+        With a logger: its stats logged (`log_stats`) and / or its first 16 images saved as a grid."""
         result = self.evaluator(self.schedule.policy_modules)
         self.evaluations[iteration] = result.stats
-        if logger is not None:
+        if logger is not None and log_stats:
             logger.log_eval(iteration, result.stats)
-            if save_images and self.image_dir:
-                logger.image_grid(iteration, result.images[:16],
-                                  os.path.join(self.image_dir, f"eval_{iteration:06d}.png"))
+        if logger is not None and save_images and self.image_dir:
+            logger.image_grid(iteration, result.images[:16], os.path.join(self.image_dir, f"eval_{iteration:06d}.png"))
         return result
 
     def write_figures(self, history, before, after):
