@@ -44,7 +44,8 @@ def evaluate(schedule, samples_per_prompt=2):
     from mm_grpo.rollout import rollout
     prompts = [p for p in PROMPTS for _ in range(samples_per_prompt)]
     cond = schedule.conditioning(prompts)
-    fixed = dataclasses.replace(schedule.s, seed=0)  # the same evaluation noise for every run
+    # the same evaluation noise for every run, a different one for every sample (not per group)
+    fixed = dataclasses.replace(schedule.s, seed=0, init_same_noise=False)
     x0, _ = draw_noise(fixed, 0, range(len(prompts)), schedule.grid[0] * schedule.grid[1],
                        schedule.policy_modules[0].flux_config.in_channels)
     x0 = x0.to(schedule.device)

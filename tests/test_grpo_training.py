@@ -1,4 +1,5 @@
 """The GRPO schedule in the Megatron training loop, single process (CPU, fp32)."""
+import dataclasses
 import math
 
 import pytest
@@ -55,11 +56,11 @@ def test_first_micro_batch_ratio_is_exactly_one_and_later_updates_move_it(parall
 
 def test_branch_mode_trains_a_random_window_after_the_shared_prefix(parallel_1proc, configs):
     from mm_grpo.grpo import branch_window
-    from mm_grpo.grpo.schedule import _generator
+    from mm_grpo.seeding import seeded_generator
     history, run = run_grpo(grpo_argv(*configs, iters=2, extra=["--timestep-selection", "branch", "--init-same-noise",
                                                                 "--window-size", "3"]))
     s = run.schedule
-    windows = [branch_window(3, 6, _generator(3, it, 4)) for it in range(2)]
+    windows = [branch_window(3, 6, seeded_generator(3, it, 4)) for it in range(2)]
     assert windows == [(3, 6), (0, 3)]  # seed 3: a 3-step shared prefix, then none
     for it, ((start, end), stats) in enumerate(zip(windows, history)):
         assert stats["sde_window_start"] == start
@@ -70,8 +71,16 @@ def test_branch_mode_trains_a_random_window_after_the_shared_prefix(parallel_1pr
 
 def test_resume_repeats_the_uninterrupted_run_exactly(parallel_1proc, configs, tmp_path):
     full, run_full = run_grpo(grpo_argv(*configs, iters=4))
+    stale = tmp_path / "ckpt" / ".iter_0000002.tmp" / "mp_rank_01_000"  # a crashed TP2 save
+    stale.mkdir(parents=True)
+    (stale / "model_optim_rng.pt").write_bytes(b"partial")
     first, _ = run_grpo(grpo_argv(*configs, iters=2, extra=["--save", str(tmp_path / "ckpt")]))
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert [p.name for p in (tmp_path / "ckpt" / "iter_0000002").glob("mp_rank_*")] == ["mp_rank_00"]
+    # resumed past --train-iters: nothing trained, nothing saved
+    run_grpo(grpo_argv(*configs, iters=1, extra=["--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "ckpt")]))
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
     second, run_resumed = run_grpo(grpo_argv(*configs, iters=4, extra=["--load", str(tmp_path / "ckpt")]))
     assert run_resumed.start_iteration == 2
     rewards = [h["reward/mean"] for h in full]
@@ -173,7 +182,9 @@ def test_config_paths_resolve_like_a_shell(tmp_path, monkeypatch):
 
 def test_reward_errors(parallel_1proc, tiny_pipeline_dir, tmp_path):
     for reward, message in (([{"name": "hps", "path": str(tmp_path / "missing.pt")}], "missing.pt"),
-                            ([{"name": "beauty"}], "beauty")):
+                            ([{"name": "beauty"}], "beauty"),
+                            # checked before any rollout, on every rank (a rank scores only its prompts)
+                            ([{"name": "compositional"}], "'a purple square above a circle' is not in the shapes")):
         model, data = write_configs(tmp_path / reward[0]["name"], tiny_pipeline_dir, reward=reward)
         with pytest.raises((FileNotFoundError, ValueError), match=message):
             _error(grpo_argv(model, data))
@@ -189,6 +200,27 @@ def test_unknown_sampler_and_indivisible_batch(parallel_1proc, configs, capsys):
         _error(grpo_argv(*configs, extra=["--micro-batch-size", "3"]))
     with pytest.raises(ValueError, match="branch needs --init-same-noise"):
         _error(grpo_argv(*configs, extra=["--timestep-selection", "branch"]))
+    # values that would otherwise divide by zero, or fail only after a rollout or on one stage
+    for extra, message in ((["--num-generations", "1"], "--num-generations must be >= 2"),
+                           (["--micro-batch-size", "0"], "--micro-batch-size and --updates-per-rollout must be >= 1"),
+                           (["--timestep-fraction", "0"], r"--timestep-fraction must be in \(0, 1\]"),
+                           (["--clip-range", "0"], "need --clip-range > 0"),
+                           (["--timestep-selection", "window", "--window-size", "7"], r"--window-size must be in \[1, 6\]"),
+                           (["--sampler", "cps", "--timestep-selection", "window", "--window-size", "6"],
+                            r"--window-size must be in \[1, 5\]"),
+                           (["--log-interval", "0"], "--log-interval must be >= 1")):
+        with pytest.raises(ValueError, match=message):
+            _error(grpo_argv(*configs, extra=extra))
+
+
+def test_cps_never_trains_its_noiseless_last_step(parallel_1proc, configs):
+    """cps's step into sigma = 0 draws no noise: Flow-GRPO's ordered selection of every step and
+    a window that has slid to the end stop one step short of it."""
+    _, run = run_grpo(grpo_argv(*configs, iters=1, extra=["--sampler", "cps", "--timestep-selection", "ordered",
+                                                          "--timestep-fraction", "1"]))
+    assert run.schedule.trained_steps(0, range(8)).tolist() == [list(range(5))] * 8
+    run.schedule.s = dataclasses.replace(run.settings, timestep_selection="window")  # 3 steps, moved every 25
+    assert [run.schedule.sde_window(it) for it in range(0, 100, 25)] == [(0, 3), (1, 4), (2, 5), (0, 3)]
 
 
 def test_bf16_is_refused_on_cpu_before_any_work(parallel_1proc, configs):

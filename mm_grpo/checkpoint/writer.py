@@ -8,6 +8,17 @@ from mm_grpo.checkpoint.paths import CHECKPOINT_VERSION, RELEASE, SHARD_FILE, it
 from mm_grpo.checkpoint.shard_io import ShardWriter, write_shard
 
 
+def temp_dir(root: str, iteration=RELEASE) -> str:
+    """Where the shards of `iteration` are written before the rename (one name for all ranks)."""
+    return os.path.join(root, f".{iteration_name(iteration)}.tmp")
+
+
+def clear_stale(root: str, iteration=RELEASE):
+    """Remove what a crashed save of `iteration` left (maybe shards of another layout); call on
+    one rank before any rank opens a writer."""
+    shutil.rmtree(temp_dir(root, iteration), ignore_errors=True)
+
+
 class CheckpointWriter:
     """Shards go to `<root>/.<iter>.tmp/`; `commit()` adds the layout JSON, renames the folder to
     `<root>/<iter>/` and points `latest_checkpointed_iteration.txt` at it.
@@ -21,7 +32,7 @@ class CheckpointWriter:
     def __init__(self, root: str, meta: CheckpointMeta, iteration=RELEASE):
         self.root, self.meta, self.iteration = root, meta, iteration
         self.name = iteration_name(iteration)
-        self.tmp = os.path.join(root, f".{self.name}.tmp")
+        self.tmp = temp_dir(root, iteration)
         os.makedirs(self.tmp, exist_ok=True)
 
     def shard_path(self, tp_rank: int, pp_rank: int) -> str:
@@ -46,6 +57,3 @@ class CheckpointWriter:
         replace_dir(self.tmp, final)
         write_tracker(self.root, self.iteration)
         return final
-
-    def abort(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from mm_grpo.checkpoint.atomic import atomic_dir
+from mm_grpo.checkpoint.atomic import atomic_dir, atomic_write_text
 
 # Five hues around the colour wheel and two neutral backgrounds: any two of the seven are at
 # least 150 apart in RGB, so nearest-colour classification survives a lossy tiny VAE (with a
@@ -314,13 +314,6 @@ def generate_dataset(out: str, num_images: int, seed: int = 0, config: ShapesCon
     return out
 
 
-def _write_lines(path, lines):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write("".join(line + "\n" for line in lines))
-    os.replace(tmp, path)
-
-
 def _read_lines(paths):
     lines = []
     for path in paths:
@@ -380,7 +373,7 @@ def main(argv=None):
         else:
             os.makedirs(args.out, exist_ok=True)
             for name, captions in split_prompts(config, args.seed, args.held_out, args.held_out_families).items():
-                _write_lines(os.path.join(args.out, f"{name}.txt"), captions)
+                atomic_write_text(os.path.join(args.out, f"{name}.txt"), "".join(c + "\n" for c in captions))
                 print(f"{name}: {len(captions)} captions")
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")

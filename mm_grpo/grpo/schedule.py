@@ -20,8 +20,12 @@ from mm_grpo.grpo.loss import awm_loss, grpo_loss
 from mm_grpo.grpo.timesteps import (SlidingWindow, branch_window, dance_grpo_timesteps, flow_grpo_timesteps,
                                     window_timesteps)
 from mm_grpo.parallel.pipeline import PER_SAMPLE_CONDITIONING, forward_backward, make_velocity_fn
-from mm_grpo.rollout import SharedPrefix, get_sampler, rollout, sigma_schedule
+from mm_grpo.rollout import SharedPrefix, get_sampler, rollout, sde_steps, sigma_schedule
+from mm_grpo.seeding import seeded_generator
 from mm_grpo.training.flow_matching import noisy_latents
+
+
+TIMESTEP_SELECTIONS = ("random", "ordered", "window", "branch")  # DanceGRPO, Flow-GRPO, MixGRPO, Flow-GRPO-Fast
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +41,7 @@ class GRPOSettings:
     guidance_scale: float = 3.5
     height: int = 64
     width: int = 64
-    # random (DanceGRPO) | ordered (Flow-GRPO) | window (MixGRPO) | branch (Flow-GRPO-Fast)
-    timestep_selection: str = "random"
+    timestep_selection: str = "random"  # TIMESTEP_SELECTIONS
     timestep_fraction: float = 0.6
     window_size: int = 3
     window_shift_every: int = 25
@@ -53,6 +56,22 @@ class GRPOSettings:
 
     def check(self, dp_size: int):
         g, n = self.num_generations, self.global_batch_size
+        if g < 2:
+            raise ValueError(f"--num-generations must be >= 2 (advantages compare a prompt's generations), got {g}")
+        if self.micro_batch_size < 1 or self.updates_per_rollout < 1:
+            raise ValueError(f"--micro-batch-size and --updates-per-rollout must be >= 1, got "
+                             f"{self.micro_batch_size} and {self.updates_per_rollout}")
+        if self.timestep_selection not in TIMESTEP_SELECTIONS:
+            raise ValueError(f"unknown --timestep-selection {self.timestep_selection!r}; "
+                             f"choose {', '.join(TIMESTEP_SELECTIONS)}")
+        if not 0 < self.timestep_fraction <= 1:
+            raise ValueError(f"--timestep-fraction must be in (0, 1], got {self.timestep_fraction}")
+        trainable = sde_steps(self.sampler, self.num_inference_steps)
+        if self.timestep_selection in ("window", "branch") and not 1 <= self.window_size <= trainable:
+            raise ValueError(f"--window-size must be in [1, {trainable}] (the steps that can draw noise), "
+                             f"got {self.window_size}")
+        if not self.clip_range > 0 or self.kl_beta < 0:
+            raise ValueError(f"need --clip-range > 0 and --kl-beta >= 0, got {self.clip_range} and {self.kl_beta}")
         if n % g:
             raise ValueError(f"global batch size {n} must be a multiple of --num-generations {g}")
         per_update = n // self.updates_per_rollout
@@ -78,28 +97,20 @@ class GRPOSettings:
         return self.global_batch_size // self.num_generations
 
 
-def _generator(*keys):
-    """A CPU generator seeded from integers (stable across runs and layouts)."""
-    seed = 0
-    for k in keys:
-        seed = (seed * 1_000_003 + int(k)) % (2**63 - 1)
-    return torch.Generator().manual_seed(seed)
-
-
 def draw_noise(s: GRPOSettings, iteration: int, samples: range, tokens: int, channels: int):
     """Initial noise [B, S, C] and step noise [B, N, S, C] of global samples `samples` (CPU)."""
     init, steps = [], []
     for i in samples:
         key = i // s.num_generations if s.init_same_noise else i
-        init.append(torch.randn(tokens, channels, generator=_generator(s.seed, iteration, 0, key)))
-        steps.append(torch.randn(s.num_inference_steps, tokens, channels, generator=_generator(s.seed, iteration, 1, i)))
+        init.append(torch.randn(tokens, channels, generator=seeded_generator(s.seed, iteration, 0, key)))
+        steps.append(torch.randn(s.num_inference_steps, tokens, channels, generator=seeded_generator(s.seed, iteration, 1, i)))
     return torch.stack(init), torch.stack(steps)
 
 
 def draw_matching_noise(s: GRPOSettings, iteration: int, samples: range, num_trained: int, tokens: int,
                         channels: int) -> torch.Tensor:
     """[B, K, S, C] forward-process noise re-noising each sample's x0 at its K trained steps (awm)."""
-    return torch.stack([torch.randn(num_trained, tokens, channels, generator=_generator(s.seed, iteration, 3, i))
+    return torch.stack([torch.randn(num_trained, tokens, channels, generator=seeded_generator(s.seed, iteration, 3, i))
                         for i in samples])
 
 
@@ -110,19 +121,24 @@ def draw_trained_steps(s: GRPOSettings, iteration: int, samples: range, window=N
     if window is not None:
         return window_timesteps(len(samples), window, n)
     if s.timestep_selection == "ordered":
-        return flow_grpo_timesteps(len(samples), n, s.timestep_fraction)
-    return torch.cat([dance_grpo_timesteps(1, n, s.timestep_fraction, generator=_generator(s.seed, iteration, 2, i))
+        return flow_grpo_timesteps(len(samples), sde_steps(s.sampler, n), s.timestep_fraction)
+    return torch.cat([dance_grpo_timesteps(1, n, s.timestep_fraction, generator=seeded_generator(s.seed, iteration, 2, i))
                       for i in samples])
 
 
-class PPOObjective:
-    """PPO-clip on log-probs: a trained row is the rollout's transition x_t -> x_t+1 and its log-prob."""
+class Objective:
+    """What `--policy-loss` decides: `draw` (per-iteration randomness of the loss), `fields` (what a
+    trained (sample, step) row holds), `attach_reference` (its KL target) and `loss`."""
 
     def __init__(self, settings: GRPOSettings, sampler, sigmas):
         self.s, self.sampler, self.sigmas = settings, sampler, sigmas
 
     def draw(self, iteration: int, samples: range, num_trained: int, traj):
         return None
+
+
+class PPOObjective(Objective):
+    """PPO-clip on log-probs: a trained row is the rollout's transition x_t -> x_t+1 and its log-prob."""
 
     def fields(self, traj, r, t, k, drawn) -> dict:
         return dict(hidden_states=traj.latents[r, t], x_next=traj.latents[r, t + 1], sigma_next=self.sigmas[t + 1],
@@ -140,7 +156,7 @@ class PPOObjective:
                          kl_beta=self.s.kl_beta, mean=step.mean, ref_mean=mb.get("ref_mean"), std=step.std)
 
 
-class AWMObjective(PPOObjective):
+class AWMObjective(Objective):
     """Advantage-weighted matching: a trained row is the sample's x0 re-noised to the step's sigma
     by forward-process noise drawn per (seed, iteration, sample)."""
 
@@ -217,11 +233,11 @@ class GRPOSchedule:
         return init.to(self.device), steps.to(self.device)
 
     def sde_window(self, iteration: int):
-        n, sel = self.s.num_inference_steps, self.s.timestep_selection
+        n, sel = sde_steps(self.s.sampler, self.s.num_inference_steps), self.s.timestep_selection
         if sel == "window":
             return self.window.bounds(iteration, n)
         if sel == "branch":
-            return branch_window(self.s.window_size, n, generator=_generator(self.s.seed, iteration, 4))
+            return branch_window(self.s.window_size, n, generator=seeded_generator(self.s.seed, iteration, 4))
         return None
 
     def trained_steps(self, iteration: int, samples: range) -> torch.Tensor:

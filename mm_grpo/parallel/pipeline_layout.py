@@ -51,11 +51,3 @@ def stage_specs(pp_layers: PPLayers, num_blocks: int) -> Dict[Tuple[int, int], S
                                       post_process=(p == n_p - 1 and v == n_v - 1))
             start = end
     return specs
-
-
-def pp_size(pp_layers: PPLayers, num_blocks: int) -> int:
-    return len(normalize_pp_layers(pp_layers, num_blocks)[0])
-
-
-def vpp_size(pp_layers: PPLayers, num_blocks: int) -> int:
-    return len(normalize_pp_layers(pp_layers, num_blocks))

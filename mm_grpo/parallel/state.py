@@ -64,9 +64,10 @@ def init_process_group(timeout_minutes: int = 30):
                                 init_method=f"tcp://127.0.0.1:{_free_port()}")
 
 
-def initialize_parallel(parallel: ParallelConfig = ParallelConfig(), seed: int = 1234):
-    """Start torch.distributed (if needed) and megatron-core's model-parallel groups."""
-    init_process_group()
+def initialize_parallel(parallel: ParallelConfig = ParallelConfig(), seed: int = 1234, timeout_minutes: int = 30):
+    """Start torch.distributed (if needed; collectives time out after `timeout_minutes`) and
+    megatron-core's model-parallel groups."""
+    init_process_group(timeout_minutes)
     parallel.check(dist.get_world_size())
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

@@ -124,14 +124,17 @@ class TextEmbeddingCache:
     def __contains__(self, prompt):
         return prompt in self.index
 
+    def check(self, prompts):
+        missing = [p for p in prompts if p not in self.index]
+        if missing:
+            raise ValueError(f"{len(missing)} prompt(s) not in text-embedding cache {self.path}, e.g. {missing[0]!r}")
+
     def get(self, prompts, device="cpu"):
         from safetensors import safe_open
 
         if isinstance(prompts, str):
             prompts = [prompts]
-        missing = [p for p in prompts if p not in self.index]
-        if missing:
-            raise ValueError(f"{len(missing)} prompt(s) not in text-embedding cache {self.path}, e.g. {missing[0]!r}")
+        self.check(prompts)
         rows = [self.index[p] for p in prompts]
         with safe_open(self.path, framework="pt", device=str(device)) as f:
             embeds = f.get_slice("prompt_embeds")

@@ -85,6 +85,9 @@ class Reward:
     def score(self, images, prompts):
         raise NotImplementedError
 
+    def check_prompts(self, prompts):
+        """Raise ValueError for a prompt this reward cannot score (checked before training)."""
+
     def __call__(self, images, prompts):
         _check_inputs(images, prompts)
         # no_grad rather than inference_mode: inference tensors would break a trainer

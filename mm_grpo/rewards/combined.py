@@ -29,6 +29,10 @@ class CombinedReward:
         configs = [RewardConfig.from_any(c) for c in configs]
         return cls([build_reward(c, device) for c in configs], [c.weight for c in configs])
 
+    def check_prompts(self, prompts):
+        for reward in self.rewards.values():
+            reward.check_prompts(prompts)
+
     def __call__(self, images, prompts):
         values = {name: reward(images, prompts) for name, reward in self.rewards.items()}
         terms = [self.weights[n] * v for n, v in values.items() if self.weights[n] != 0]

@@ -239,8 +239,14 @@ class _LastScores:
 _last_scores = _LastScores()
 
 
+class _ShapesReward(Reward):
+    def check_prompts(self, prompts):
+        for prompt in dict.fromkeys(prompts):
+            PromptSpec.parse(prompt)  # a ValueError names a prompt outside the shapes grammar
+
+
 @register_reward("compositional")
-class CompositionalReward(Reward):
+class CompositionalReward(_ShapesReward):
     """Fraction of the prompt's atoms met, in [0, 1]."""
 
     def score(self, images, prompts):
@@ -248,7 +254,7 @@ class CompositionalReward(Reward):
 
 
 @register_reward("compositional_accuracy")
-class CompositionalAccuracy(Reward):
+class CompositionalAccuracy(_ShapesReward):
     """1 if every atom of the prompt is met, else 0 (GenEval's per-image accuracy)."""
 
     def score(self, images, prompts):
@@ -256,7 +262,7 @@ class CompositionalAccuracy(Reward):
 
 
 @register_reward("compositional_f1")
-class CompositionalF1(Reward):
+class CompositionalF1(_ShapesReward):
     """Objects' F1 against the prompt, halved per missed relation or background, in [0, 1]."""
 
     def score(self, images, prompts):

@@ -8,6 +8,7 @@ from mm_grpo.rollout.samplers import (
     gaussian_log_prob,
     get_sampler,
     ode_step,
+    sde_steps,
 )
 from mm_grpo.rollout.schedule import sigma_schedule
 from mm_grpo.rollout.trajectory import SharedPrefix, Trajectory, Transition, check_window, initial_latents, rollout
@@ -27,5 +28,6 @@ __all__ = [
     "initial_latents",
     "ode_step",
     "rollout",
+    "sde_steps",
     "sigma_schedule",
 ]

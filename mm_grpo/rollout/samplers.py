@@ -145,6 +145,12 @@ def ode_step(x, v, sigma, sigma_next, *, eps=None, x_next=None) -> StepOutput:
 
 
 SAMPLERS = {"dance_sde": dance_sde_step, "flow_sde": flow_sde_step, "cps": cps_step, "ode": ode_step}
+NOISELESS_LAST_STEP = ("cps",)  # its step into sigma = 0 draws no noise: no log-prob to train
+
+
+def sde_steps(name: str, num_steps: int) -> int:
+    """k: steps 0 .. k-1 of a `num_steps` rollout can be SDE steps with a log-prob under sampler `name`."""
+    return num_steps - 1 if name in NOISELESS_LAST_STEP else num_steps
 
 
 def get_sampler(name: str, noise_level: Optional[float] = None) -> Callable[..., StepOutput]:

@@ -8,7 +8,7 @@ import argparse
 import json
 import os
 
-from mm_grpo.grpo.schedule import OBJECTIVES
+from mm_grpo.grpo.schedule import OBJECTIVES, TIMESTEP_SELECTIONS
 from mm_grpo.rollout.samplers import SAMPLERS
 
 
@@ -79,7 +79,7 @@ def _add_grpo_args(p):
     g.add_argument("--guidance-scale", type=float, default=3.5)
     g.add_argument("--height", type=int, default=None, help="image height (model.json default)")
     g.add_argument("--width", type=int, default=None)
-    g.add_argument("--timestep-selection", default="random", choices=["random", "ordered", "window", "branch"],
+    g.add_argument("--timestep-selection", default="random", choices=TIMESTEP_SELECTIONS,
                    help="DanceGRPO (random), Flow-GRPO (ordered), MixGRPO sliding window, or Flow-GRPO-Fast "
                         "branching (a --window-size SDE window at a random step per iteration; needs "
                         "--init-same-noise)")
@@ -120,8 +120,19 @@ def load_json(path, what):
             raise ValueError(f"{what} {path} is not valid JSON: {e}") from None
 
 
+def check_counts(args):
+    """Counts and intervals that would otherwise fail deep inside (a division by zero on one rank)."""
+    for name in ("log_interval", "distributed_timeout_minutes"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("train_iters", "save_interval", "eval_interval", "save_image_interval"):
+        if (getattr(args, name) or 0) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+
+
 def parse_args(argv=None, grpo: bool = True):
     args = build_parser(grpo).parse_args(argv)
+    check_counts(args)
     args.mm_model_config = load_json(args.mm_model, "--mm-model")
     args.mm_data_config = load_json(args.mm_data, "--mm-data")
     return args

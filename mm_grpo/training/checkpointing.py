@@ -20,7 +20,7 @@ from mm_grpo.checkpoint.loader import load_megatron_checkpoint
 from mm_grpo.checkpoint.metadata import CheckpointMeta
 from mm_grpo.checkpoint.paths import RELEASE, SHARD_FILE, iteration_dir, model_key
 from mm_grpo.checkpoint.shard_io import ShardReader
-from mm_grpo.checkpoint.writer import CheckpointWriter
+from mm_grpo.checkpoint.writer import CheckpointWriter, clear_stale
 
 def _rng_state():
     state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
@@ -57,6 +57,9 @@ def _writes_shard():
 
 def save_checkpoint(root, iteration, model_chunks, optimizer, scheduler, meta: CheckpointMeta, extra: dict):
     """Collective: every rank calls it. `model_chunks` are this rank's (DDP-wrapped) chunks."""
+    if dist.get_rank() == 0:
+        clear_stale(root, iteration)
+    dist.barrier()
     writer = CheckpointWriter(root, meta, iteration)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()

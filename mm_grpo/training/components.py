@@ -80,6 +80,15 @@ def conditioner(text_block, device, dtype):
     return encoders.encode
 
 
+def check_prompts(text_block, reward, prompts):
+    """Prompt-dependent errors before any work: mid-iteration each data-parallel rank conditions
+    and scores only its own prompts, and an error on one would leave the others in a collective."""
+    if text_block.get("embeddings_cache"):
+        from mm_grpo.pipeline.text import TextEmbeddingCache
+        TextEmbeddingCache(text_block["embeddings_cache"]).check(list(dict.fromkeys(prompts)))
+    reward.check_prompts(prompts)
+
+
 def decoder(ae_block, device, dtype):
     from mm_grpo.pipeline.vae import VaeDecoder
     return VaeDecoder(block(ae_block, "from_pretrained", "ae"), device=device, dtype=dtype)

@@ -10,16 +10,9 @@ import torch
 
 from mm_grpo.pipeline.latents import prepare_latent_image_ids
 from mm_grpo.rollout import rollout
+from mm_grpo.seeding import seeded_generator
 
 EVAL_STREAM = 7919  # keeps evaluation noise apart from any training draw of the same seed
-
-
-def seeded_generator(*keys: int) -> torch.Generator:
-    """A CPU generator seeded from integers (stable across runs, processes and layouts)."""
-    seed = 0
-    for k in keys:
-        seed = (seed * 1_000_003 + int(k)) % (2**63 - 1)
-    return torch.Generator().manual_seed(seed)
 
 
 def conditioning(conditioner: Callable, prompts: List[str], grid, guidance: float, device) -> dict:

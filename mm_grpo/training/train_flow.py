@@ -27,10 +27,11 @@ from mm_grpo.parallel import initialize_parallel
 from mm_grpo.parallel.pipeline import forward_backward
 from mm_grpo.pipeline.latents import pack_latents
 from mm_grpo.training import components
-from mm_grpo.training.arguments import build_parser, load_json
+from mm_grpo.training.arguments import build_parser, check_counts, load_json
 from mm_grpo.training.entry import run_entry, train_and_report
 from mm_grpo.training.checkpointing import load_checkpoint, save_checkpoint
-from mm_grpo.training.evaluation import conditioning, seeded_generator
+from mm_grpo.seeding import seeded_generator
+from mm_grpo.training.evaluation import conditioning
 from mm_grpo.training.flow_matching import (WEIGHTING_SCHEMES, FlowMatchingSettings, flow_matching_loss,
                                             noisy_latents, sample_sigmas)
 from mm_grpo.training.logging_utils import TrainLogger
@@ -58,6 +59,7 @@ def add_flow_args(parser):
 
 def parse_args(argv=None):
     args = add_flow_args(build_parser(grpo=False)).parse_args(argv)
+    check_counts(args)
     args.mm_model_config = load_json(args.mm_model, "--mm-model")
     args.mm_data_config = load_json(args.mm_data, "--mm-data")
     return args
@@ -145,7 +147,7 @@ class FlowRun:
         loader = self.data_cfg.get("dataloader_param", {})
         self.shuffle, self.data_seed = loader.get("shuffle", True), loader.get("seed", args.seed)
         parallel = parallel_config(args, predictor)
-        initialize_parallel(parallel, seed=args.seed)
+        initialize_parallel(parallel, seed=args.seed, timeout_minutes=args.distributed_timeout_minutes)
         self.settings = FlowSettings(
             global_batch_size=args.global_batch_size or args.micro_batch_size * parallel_state.get_data_parallel_world_size(),
             micro_batch_size=args.micro_batch_size, guidance_scale=args.guidance_scale, seed=args.seed,
@@ -174,10 +176,11 @@ class FlowRun:
         from mm_grpo.rewards.combined import CombinedReward
         from mm_grpo.rollout import sigma_schedule
         from mm_grpo.training.evaluation import Evaluator
+        prompts = read_prompts(params["eval_prompt_file"])[:self.args.eval_prompts]
+        reward = CombinedReward.from_configs(self.model_cfg["reward"], device=self.device)
+        reward.check_prompts(prompts)  # before training, not at the first evaluation
         return Evaluator(
-            read_prompts(params["eval_prompt_file"])[:self.args.eval_prompts], self.features.text,
-            components.decoder(self.model_cfg["ae"], self.device, torch.float32),
-            CombinedReward.from_configs(self.model_cfg["reward"], device=self.device),
+            prompts, self.features.text, components.decoder(self.model_cfg["ae"], self.device, torch.float32), reward,
             sigma_schedule(self.args.num_inference_steps, self.args.sigma_shift).to(self.device), self.size,
             self.size, self.flux_config.in_channels, self.args.guidance_scale,
             params.get("eval_samples_per_prompt", 1), seed=params.get("eval_seed", 0), device=self.device)
@@ -275,7 +278,8 @@ class FlowRun:
                         logger.image_grid(done, result.images[:16], os.path.join(self.image_dir, f"eval_{done:06d}.png"))
                 if args.save and args.save_interval and done % args.save_interval == 0:
                     self.save(done)
-            if args.save and (not args.save_interval or args.train_iters % args.save_interval):
+            ran = self.start_iteration < args.train_iters  # a resume past --train-iters trains nothing
+            if args.save and ran and (not args.save_interval or args.train_iters % args.save_interval):
                 self.save(args.train_iters)
         finally:
             logger.close()

@@ -46,8 +46,10 @@ class GRPORun:
             raise ValueError(f"image size {height}x{width} must be a multiple of 16 (VAE 8 x packing 2)")
         self.reward = CombinedReward.from_configs(components.block(self.model_cfg, "reward", "--mm-model"),
                                                   device=self.device)
+        components.check_prompts(components.block(self.model_cfg, "text_encoder", "--mm-model"), self.reward,
+                                 self.prompts.prompts + (self.eval_prompts or [])[:args.eval_prompts])
         parallel = parallel_config(args, predictor)
-        initialize_parallel(parallel, seed=args.seed)
+        initialize_parallel(parallel, seed=args.seed, timeout_minutes=args.distributed_timeout_minutes)
         self.settings = GRPOSettings(
             global_batch_size=args.global_batch_size or args.num_generations,
             micro_batch_size=args.micro_batch_size, num_generations=args.num_generations,
@@ -118,7 +120,8 @@ class GRPORun:
                     last = self.evaluate(done, logger, log_stats=eval_due, save_images=image_due)
                 if args.save and args.save_interval and done % args.save_interval == 0:
                     self.save(done)
-            if args.save and (not args.save_interval or args.train_iters % args.save_interval):
+            ran = self.start_iteration < args.train_iters  # a resume past --train-iters trains nothing
+            if args.save and ran and (not args.save_interval or args.train_iters % args.save_interval):
                 self.save(args.train_iters)
             if first is not None and last is not None and is_logging_rank() and self.run_dir:
                 self.write_figures(history, first, last)
