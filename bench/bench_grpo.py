@@ -17,7 +17,6 @@ import dataclasses
 import json
 import multiprocessing as mp
 import os
-import resource
 import statistics
 import time
 from pathlib import Path
@@ -95,19 +94,13 @@ class ReferenceRunner:
         return self.ref.iteration(it, iteration_prompts(self.preset, it))
 
 
-def _peak_memory(device) -> int:
-    if device.type == "cpu":
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return getattr(torch, device.type).max_memory_allocated(device)
-
-
 def _worker(conn, name, preset, paths, threads, checkpointing):
     torch.set_num_threads(threads)
     import mm_grpo
     device = mm_grpo.get_platform().device
     runner_cls = ReferenceRunner if name == "reference" else MMGRPORunner
     runner = runner_cls(preset, paths, device, checkpointing=checkpointing)
-    sync = mm_grpo.get_platform().synchronize
+    platform = mm_grpo.get_platform()
     conn.send("ready")
     while True:
         it = conn.recv()
@@ -115,12 +108,12 @@ def _worker(conn, name, preset, paths, threads, checkpointing):
             break
         if device.type != "cpu":
             getattr(torch, device.type).reset_peak_memory_stats(device)
-        sync()
+        platform.synchronize()
         start, start_cpu = time.perf_counter(), time.process_time()
         out = runner.iteration(it)
-        sync()
+        platform.synchronize()
         out.update(time_total=time.perf_counter() - start, cpu_total=time.process_time() - start_cpu,
-                   peak_memory=_peak_memory(device))
+                   peak_memory=platform.max_memory_allocated())
         conn.send(out)
 
 

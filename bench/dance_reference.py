@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from mm_grpo import get_platform
 from mm_grpo.grpo.schedule import GRPOSettings, draw_noise, draw_trained_steps
 from mm_grpo.pipeline.latents import prepare_latent_image_ids
 from mm_grpo.rollout import sigma_schedule
@@ -87,7 +88,7 @@ class DanceGRPOReference:
 
     def iteration(self, iteration: int, prompts):
         """prompts: this iteration's prompts; returns timings and what the equal-work check needs."""
-        s, sync = self.s, _synchronizer(self.device)
+        s, sync = self.s, get_platform().synchronize
         samples = range(s.global_batch_size)
         t_rollout = t_reward = 0.0
         x0, noise = draw_noise(s, iteration, samples, self.grid[0] * self.grid[1], self.transformer.config.in_channels)
@@ -143,9 +144,3 @@ class DanceGRPOReference:
                 self.optimizer.step()
                 self.optimizer.zero_grad()
         return grad_norms, losses
-
-
-def _synchronizer(device):
-    if device.type == "cpu":
-        return lambda: None
-    return getattr(torch, device.type).synchronize

@@ -86,8 +86,12 @@ def main(argv=None):
         s.noise = lambda iteration, samples, channels: (draw(0, samples, channels)[0],
                                                         draw(iteration, samples, channels)[1])
     grads, rewards = [], []
+    if s.s.updates_per_rollout != 1:
+        raise ValueError("grad_snr measures the gradient of a whole batch: use --updates-per-rollout 1")
     for i in range(a.batches):
         updates, stats = s.prepare(i, prompts)
+        if updates is None:
+            raise ValueError(f"batch {i} was skipped: {stats.get('skip_reason')}")
         for chunk in s.policy:
             chunk.zero_grad_buffer()
         forward_backward(s.policy, updates[0], s.loss_fn)

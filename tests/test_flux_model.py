@@ -8,7 +8,7 @@ from mm_grpo.models.flux import FluxConfig, FluxTransformer
 from mm_grpo.models.flux.hf_weights import load_hf_weights
 from mm_grpo.models.flux.model import check_parallel_sizes
 from tests.fixtures import parallel_1proc  # noqa: F401
-from tests.utils import (hf_grads_as_megatron, make_inputs, random_reference, reference_output,
+from tests.utils import (assert_one_line_error, hf_grads_as_megatron, make_inputs, random_reference, reference_output,
                          rel_err)
 
 TOL = 1e-5
@@ -160,6 +160,13 @@ def test_missing_checkpoint_path_is_a_clear_error(parallel_1proc, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no diffusion_pytorch_model"):
         load_hf_weights(FluxTransformer(TINY), str(tmp_path / "empty"))
+    (tmp_path / "empty" / "diffusion_pytorch_model.safetensors.index.json").write_text('{"metadata": {}}')
+    assert_one_line_error(lambda: load_hf_weights(FluxTransformer(TINY), str(tmp_path / "empty")),
+                          "is not a safetensors index .JSON with a 'weight_map'")
+    (tmp_path / "empty" / "config.json").write_text('{"num_layers": 2,}')
+    assert_one_line_error(lambda: FluxConfig.from_diffusers_config(str(tmp_path / "empty")), "config.json is not valid JSON")
+    assert_one_line_error(lambda: FluxConfig.from_diffusers_config({"num_layers": 2, "num_single_layer": 4}),
+                          r"unknown FLUX config field\(s\) \['num_single_layer'\]")
 
 
 def test_guidance_model_without_guidance_is_a_clear_error(parallel_1proc):

@@ -74,16 +74,19 @@ def test_resume_repeats_the_uninterrupted_run_exactly(parallel_1proc, configs, t
     stale = tmp_path / "ckpt" / ".iter_0000002.tmp" / "mp_rank_01_000"  # a crashed TP2 save
     stale.mkdir(parents=True)
     (stale / "model_optim_rng.pt").write_bytes(b"partial")
-    first, _ = run_grpo(grpo_argv(*configs, iters=2, extra=["--save", str(tmp_path / "ckpt")]))
+    evaluate = ["--eval-interval", "2", "--eval-prompts", "1"]  # seeded noise: leaves the training draws alone
+    first, _ = run_grpo(grpo_argv(*configs, iters=2, extra=["--save", str(tmp_path / "ckpt"), *evaluate]))
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "2"
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    ckpt_entries = lambda: sorted(p.name for p in (tmp_path / "ckpt").glob("*iter*"))  # noqa: E731
+    assert ckpt_entries() == ["iter_0000002", "latest_checkpointed_iteration.txt"]  # the stale .tmp is gone
     assert [p.name for p in (tmp_path / "ckpt" / "iter_0000002").glob("mp_rank_*")] == ["mp_rank_00"]
     # resumed past --train-iters: nothing trained, nothing saved
     run_grpo(grpo_argv(*configs, iters=1, extra=["--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "ckpt")]))
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
-    second, run_resumed = run_grpo(grpo_argv(*configs, iters=4, extra=["--load", str(tmp_path / "ckpt")]))
+    assert ckpt_entries() == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    second, run_resumed = run_grpo(grpo_argv(*configs, iters=4, extra=["--load", str(tmp_path / "ckpt"), *evaluate]))
     assert run_resumed.start_iteration == 2
     rewards = [h["reward/mean"] for h in full]
+    assert run_resumed.train_rewards == rewards and sorted(run_resumed.evaluations) == [0, 2, 4]  # for the figures
     assert [h["reward/mean"] for h in first + second] == rewards
     assert [h["loss"] for h in first + second] == [h["loss"] for h in full]
     a, b = _weights(run_full), _weights(run_resumed)

@@ -33,7 +33,7 @@ def test_cpu_platform_contract():
 def test_cpu_platform_helpers():
     p = get_platform()
     p.synchronize()  # no-op, must not touch CUDA
-    with torch.autocast(p.autocast_device_type, dtype=torch.bfloat16):
+    with torch.autocast(p.device.type, dtype=torch.bfloat16):
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
     with open("/proc/self/status") as f:  # the kernel's own peak-RSS figure, in kB
         vm_hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
@@ -86,7 +86,6 @@ def test_detects_cuda_without_cpu_patches(fresh_platform):
     fresh_platform.setattr(adaptor, "apply_cpu_patches", _no_cpu_patches)
     p = init_platform()
     assert (p.name, p.device, p.dist_backend, p.patches) == ("cuda", torch.device("cuda", 3), "nccl", ())
-    assert p.autocast_device_type == "cuda"
 
 
 def test_env_forces_cpu_over_cuda(fresh_platform):

@@ -4,7 +4,7 @@ import torch
 
 from mm_grpo.grpo import (SlidingWindow, branch_window, dance_grpo_timesteps, flow_grpo_timesteps, grpo_loss,
                           window_timesteps)
-from mm_grpo.rollout import get_sampler, initial_latents, ode_step, rollout, sigma_schedule
+from mm_grpo.rollout import get_sampler, ode_step, rollout, sigma_schedule
 from tests.utils import assert_one_line_error
 
 B, N, S, C = 4, 6, 8, 4
@@ -108,7 +108,7 @@ def test_mixgrpo_window_is_sde_inside_ode_outside():
 
 def test_generator_noise_is_reproducible():
     sigmas = sigma_schedule(N)
-    latents = initial_latents(2, 2, (S, C), generator=torch.Generator().manual_seed(7))
+    latents = torch.randn(4, S, C, generator=torch.Generator().manual_seed(7))
     a = rollout(velocity, latents, sigmas, generator=torch.Generator().manual_seed(1))
     b = rollout(velocity, latents, sigmas, generator=torch.Generator().manual_seed(1))
     c = rollout(velocity, latents, sigmas, generator=torch.Generator().manual_seed(2))
@@ -121,15 +121,19 @@ def test_generator_noise_is_reproducible():
     assert torch.equal(windowed.latents, rollout(velocity, latents, sigmas, sde_window=(2, 4), noise=drawn).latents)
 
 
-def test_initial_latents_same_noise_within_group():
-    same = initial_latents(3, 4, (S, C), same_noise_within_group=True, generator=torch.Generator().manual_seed(0))
-    again = initial_latents(3, 4, (S, C), same_noise_within_group=True, generator=torch.Generator().manual_seed(0))
-    assert same.shape == (12, S, C) and torch.equal(same, again)
-    groups = same.view(3, 4, S, C)
+def test_initial_noise_same_within_group_and_independent_of_the_rank_slice():
+    from mm_grpo.grpo.schedule import GRPOSettings, draw_noise
+    same = GRPOSettings(global_batch_size=12, num_generations=4, num_inference_steps=N, init_same_noise=True)
+    init, steps = draw_noise(same, 0, range(12), S, C)
+    assert init.shape == (12, S, C) and steps.shape == (12, N, S, C)
+    groups = init.view(3, 4, S, C)
     assert torch.equal(groups, groups[:, :1].expand_as(groups))  # equal within a group
     assert not torch.equal(groups[0, 0], groups[1, 0])  # different across groups
-    free = initial_latents(3, 4, (S, C), generator=torch.Generator().manual_seed(0), dtype=torch.bfloat16)
-    assert free.dtype == torch.bfloat16 and not torch.equal(free[0], free[1])
+    assert not torch.equal(steps[0], steps[1])  # the SDE noise is each sample's own
+    part = draw_noise(same, 0, range(4, 8), S, C)  # a data-parallel rank's slice draws the same rows
+    assert torch.equal(part[0], init[4:8]) and torch.equal(part[1], steps[4:8])
+    free, _ = draw_noise(GRPOSettings(global_batch_size=12, num_generations=4, num_inference_steps=N), 0, range(12), S, C)
+    assert not torch.equal(free[0], free[1]) and not torch.equal(draw_noise(same, 1, range(12), S, C)[0], init)
 
 
 def test_dance_grpo_timesteps():
@@ -189,5 +193,4 @@ def test_bad_input_gives_one_line_errors():
     assert_one_line_error(lambda: dance_grpo_timesteps(B, 1), "num_steps must be >= 2")
     assert_one_line_error(lambda: window_timesteps(B, (14, 17), 16), r"0 <= start < end <= 16")
     assert_one_line_error(lambda: SlidingWindow(size=17).bounds(0, 16), r"window size must be in \[1, 16\]")
-    assert_one_line_error(lambda: initial_latents(0, 4, (S, C)), "num_groups and group_size must be >= 1")
     assert ode_step(latents, latents, 0.5, 0.5).log_prob is None  # a zero step is legal and deterministic

@@ -23,6 +23,7 @@ from mm_grpo.parallel.pipeline import PER_SAMPLE_CONDITIONING, forward_backward,
 from mm_grpo.rollout import SharedPrefix, get_sampler, rollout, sde_steps, sigma_schedule
 from mm_grpo.seeding import seeded_generator
 from mm_grpo.training.flow_matching import noisy_latents
+from mm_grpo.training.optim import all_finite
 
 
 TIMESTEP_SELECTIONS = ("random", "ordered", "window", "branch")  # DanceGRPO, Flow-GRPO, MixGRPO, Flow-GRPO-Fast
@@ -103,7 +104,8 @@ def draw_noise(s: GRPOSettings, iteration: int, samples: range, tokens: int, cha
     for i in samples:
         key = i // s.num_generations if s.init_same_noise else i
         init.append(torch.randn(tokens, channels, generator=seeded_generator(s.seed, iteration, 0, key)))
-        steps.append(torch.randn(s.num_inference_steps, tokens, channels, generator=seeded_generator(s.seed, iteration, 1, i)))
+        steps.append(torch.randn(s.num_inference_steps, tokens, channels,
+                                 generator=seeded_generator(s.seed, iteration, 1, i)))
     return torch.stack(init), torch.stack(steps)
 
 
@@ -122,8 +124,8 @@ def draw_trained_steps(s: GRPOSettings, iteration: int, samples: range, window=N
         return window_timesteps(len(samples), window, n)
     if s.timestep_selection == "ordered":
         return flow_grpo_timesteps(len(samples), sde_steps(s.sampler, n), s.timestep_fraction)
-    return torch.cat([dance_grpo_timesteps(1, n, s.timestep_fraction, generator=seeded_generator(s.seed, iteration, 2, i))
-                      for i in samples])
+    return torch.cat([dance_grpo_timesteps(1, n, s.timestep_fraction,
+                                           generator=seeded_generator(s.seed, iteration, 2, i)) for i in samples])
 
 
 class Objective:
@@ -314,7 +316,7 @@ class GRPOSchedule:
             out.update(ratio_first_mb_min=per_mb[0]["ratio_min"].item(),
                        ratio_first_mb_max=per_mb[0]["ratio_max"].item())
         loss = out["loss"]
-        if not self._all_finite(loss):
+        if not all_finite(loss, self.policy):
             out.update(skipped=1.0, grad_norm=float("nan"), skip_reason="non-finite loss or gradient")
             return out
         ok, grad_norm, _ = self.optimizer.step()
@@ -322,15 +324,6 @@ class GRPOSchedule:
             self.scheduler.step(increment=1)
         out.update(skipped=0.0 if ok else 1.0, grad_norm=float(grad_norm) if grad_norm is not None else 0.0)
         return out
-
-    def _all_finite(self, loss) -> bool:
-        """Loss and every gradient finite, agreed by all ranks (the optimizer step is collective)."""
-        finite = math.isfinite(loss) and all(
-            bool(torch.isfinite(getattr(p, "main_grad", p.grad)).all())
-            for chunk in self.policy for p in chunk.parameters() if p.requires_grad)
-        flag = torch.tensor(1.0 if finite else 0.0)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
 
     # --- one iteration ----------------------------------------------------------------
     def prepare(self, iteration: int, prompts: List[str]):

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from mm_grpo.checkpoint.atomic import atomic_dir
+from mm_grpo.models.flux.config import PRESETS
 
 # Captions the tiny tokenizers are trained on; prompts outside this vocabulary
 # still tokenize (rare characters map to <unk>).
@@ -52,19 +53,9 @@ CAPTIONS = (
     "three cats sleeping on a sofa",
 )
 
-# FLUX.1's transformer shrunk: D = 4 heads x 16 = 64; RoPE axes sum to the head dim.
-TRANSFORMER_CONFIG = dict(
-    patch_size=1,
-    in_channels=16,  # 4 latent channels packed 2x2
-    num_layers=2,
-    num_single_layers=4,
-    attention_head_dim=16,
-    num_attention_heads=4,
-    joint_attention_dim=32,  # = T5 d_model below
-    pooled_projection_dim=32,  # = CLIP hidden size below
-    guidance_embeds=True,
-    axes_dims_rope=[4, 6, 6],
-)
+# FLUX.1's transformer shrunk (the `tiny` preset): D = 4 heads x 16 = 64, 16 input channels (4
+# latent channels packed 2x2), text width 32 = the T5 d_model and CLIP hidden size below.
+TRANSFORMER_CONFIG = PRESETS["tiny"].to_diffusers_config()
 
 # Four blocks = three 2x downsamples: VAE factor 8, as FLUX's. Scaling and shift
 # factors are FLUX.1's, so the latent normalisation path is exercised for real.

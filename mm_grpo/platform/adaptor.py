@@ -30,10 +30,6 @@ class Platform:
     dist_backend: str  # "hccl" | "nccl" | "gloo"
     patches: tuple[str, ...] = ()  # CPU patches in force (empty on NPU/CUDA)
 
-    @property
-    def autocast_device_type(self) -> str:
-        return self.name
-
     def synchronize(self):
         """Wait for this device's queued kernels (CPU kernels are synchronous)."""
         if self.name != "cpu":

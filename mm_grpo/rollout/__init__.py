@@ -11,7 +11,7 @@ from mm_grpo.rollout.samplers import (
     sde_steps,
 )
 from mm_grpo.rollout.schedule import sigma_schedule
-from mm_grpo.rollout.trajectory import SharedPrefix, Trajectory, Transition, check_window, initial_latents, rollout
+from mm_grpo.rollout.trajectory import SharedPrefix, Trajectory, Transition, check_window, rollout
 
 __all__ = [
     "SAMPLERS",
@@ -25,7 +25,6 @@ __all__ = [
     "flow_sde_step",
     "gaussian_log_prob",
     "get_sampler",
-    "initial_latents",
     "ode_step",
     "rollout",
     "sde_steps",

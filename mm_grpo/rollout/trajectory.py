@@ -95,31 +95,6 @@ def check_window(window: Optional[Sequence[int]], num_steps: int) -> Tuple[int, 
     return start, end
 
 
-def initial_latents(
-    num_groups: int,
-    group_size: int,
-    shape: Sequence[int],
-    *,
-    same_noise_within_group: bool = False,
-    generator: Optional[torch.Generator] = None,
-    device=None,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """Initial noise [num_groups * group_size, *shape], group-major (rows g*G..g*G+G-1 are group g).
-
-    With same_noise_within_group every generation of a group starts from the same noise
-    (Flow-GRPO's init_same_noise). Drawn in float32 on the generator's device, then cast.
-    """
-    if num_groups < 1 or group_size < 1:
-        raise ValueError(f"num_groups and group_size must be >= 1, got {num_groups} and {group_size}")
-    rows = num_groups if same_noise_within_group else num_groups * group_size
-    draw_device = generator.device if generator is not None else device
-    noise = torch.randn((rows, *shape), generator=generator, device=draw_device, dtype=torch.float32)
-    if same_noise_within_group:
-        noise = noise.repeat_interleave(group_size, dim=0)
-    return noise.to(device=device, dtype=dtype)
-
-
 @torch.no_grad()
 def rollout(
     velocity_fn: VelocityFn,

@@ -18,8 +18,8 @@ from megatron.core import parallel_state
 
 from mm_grpo.checkpoint.loader import load_megatron_checkpoint
 from mm_grpo.checkpoint.metadata import CheckpointMeta
-from mm_grpo.checkpoint.paths import RELEASE, SHARD_FILE, iteration_dir, model_key
-from mm_grpo.checkpoint.shard_io import ShardReader
+from mm_grpo.checkpoint.paths import RELEASE, iteration_dir, model_key
+from mm_grpo.checkpoint.reader import MegatronCheckpoint
 from mm_grpo.checkpoint.writer import CheckpointWriter, clear_stale
 
 def _rng_state():
@@ -91,18 +91,23 @@ def load_checkpoint(path, model_chunks, optimizer=None, scheduler=None, load_opt
     meta = load_megatron_checkpoint([_unwrap(c) for c in model_chunks], folder)
     if os.path.basename(folder) == RELEASE:
         return 0, {}
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    if (meta.tp_size, meta.pp_size, meta.vpp_size) != (tp_size, parallel_state.get_pipeline_model_parallel_world_size(),
-                                                       len(model_chunks)) and load_optim:
+    same_layout = (meta.tp_size, meta.pp_size, meta.vpp_size) == (
+        parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
+        len(model_chunks))
+    if not same_layout and load_optim:
         raise ValueError(f"{folder} was saved with TP={meta.tp_size} PP={meta.pp_size} VPP={meta.vpp_size}; "
                          "optimizer state only resumes on the same layout (use --no-load-optim, or resplit)")
-    shard = os.path.join(folder, meta.shard_name(parallel_state.get_tensor_model_parallel_rank(),
-                                                 parallel_state.get_pipeline_model_parallel_rank()))
-    reader = ShardReader(os.path.join(shard, SHARD_FILE))
+    # On another layout this rank's shard may not exist: the iteration and extras are in every
+    # shard, so read the first; per-rank RNG states do not carry over.
+    ranks = ((parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank())
+             if same_layout else (0, 0))
+    load_rng = load_rng and same_layout
+    shard = os.path.join(folder, meta.shard_name(*ranks))
+    checkpoint = MegatronCheckpoint(folder)
     try:
-        state = {k: reader.load(k) for k in reader.tree if not str(k).startswith("model")}
+        state = checkpoint.extras(*ranks)
     finally:
-        reader.close()
+        checkpoint.close()
     if load_optim and optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
         if _distributed(optimizer):

@@ -52,7 +52,7 @@ def reward_curve(history: List[Dict], evaluations: Dict[int, Dict[str, float]], 
 
 def before_after_grid(prompts: List[str], before: torch.Tensor, after: torch.Tensor, path: str,
                       before_ok: Optional[torch.Tensor] = None, after_ok: Optional[torch.Tensor] = None,
-                      columns: int = 8):
+                      columns: int = 8, labels=("before", "after")):
     """One column per prompt (its first sample): the prompt, the image before training (top)
     and after (bottom), framed green / red where `*_ok` says the prompt was met / missed."""
     plt = _pyplot()
@@ -63,7 +63,7 @@ def before_after_grid(prompts: List[str], before: torch.Tensor, after: torch.Ten
     n = len(first)
     fig, axes = plt.subplots(2, n, figsize=(1.6 * n, 3.6), squeeze=False)
     for j, k in enumerate(first):
-        for row, (images, ok, label) in enumerate(((before, before_ok, "before"), (after, after_ok, "after"))):
+        for row, (images, ok, label) in enumerate(((before, before_ok, labels[0]), (after, after_ok, labels[1]))):
             ax = axes[row][j]
             ax.imshow(images[k].permute(1, 2, 0).clamp(0, 1).numpy(), interpolation="nearest")
             ax.set_xticks([])

@@ -1,4 +1,8 @@
 """megatron-core DDP, optimizer and LR schedule for the model chunks of this rank."""
+import math
+
+import torch
+import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -38,3 +42,14 @@ def build_scheduler(optimizer, args):
         lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=max(decay_iters, args.lr_warmup_iters + 1),
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
         wd_incr_steps=decay_iters, wd_incr_style="constant")
+
+
+def all_finite(loss: float, ddp_chunks) -> bool:
+    """The loss and every gradient finite, agreed by all ranks (the optimizer step is collective,
+    so either every rank steps or none does)."""
+    finite = math.isfinite(loss) and all(
+        bool(torch.isfinite(getattr(p, "main_grad", p.grad)).all())
+        for chunk in ddp_chunks for p in chunk.parameters() if p.requires_grad)
+    flag = torch.tensor(1.0 if finite else 0.0)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())

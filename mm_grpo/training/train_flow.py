@@ -35,6 +35,7 @@ from mm_grpo.training.evaluation import conditioning
 from mm_grpo.training.flow_matching import (WEIGHTING_SCHEMES, FlowMatchingSettings, flow_matching_loss,
                                             noisy_latents, sample_sigmas)
 from mm_grpo.training.logging_utils import TrainLogger
+from mm_grpo.training.optim import all_finite
 from mm_grpo.training.trainable import build_trainable, parallel_config, run_configs
 
 TRAIN_STREAM = 1  # generator stream of the training noise (evaluation uses its own)
@@ -74,6 +75,9 @@ class FlowSettings:
     seed: int = 1234
 
     def check(self, dp_size: int):
+        if self.micro_batch_size < 1 or self.global_batch_size < 1:
+            raise ValueError(f"micro-batch and global batch sizes must be >= 1, got {self.micro_batch_size} and "
+                             f"{self.global_batch_size}")
         if self.global_batch_size % (dp_size * self.micro_batch_size):
             raise ValueError(f"global batch size {self.global_batch_size} must be divisible by data-parallel size "
                              f"{dp_size} x micro-batch size {self.micro_batch_size}")
@@ -235,7 +239,7 @@ class FlowRun:
         model.optimizer.zero_grad()
         per_mb = forward_backward(model.chunks, micro_batches, self.loss_fn)
         loss = self._dp_mean(torch.stack([m["loss"].float() for m in per_mb]).mean())
-        if not self._all_finite(loss):
+        if not all_finite(loss, self.model.chunks):
             return {"loss": loss, "skipped": 1.0, "grad_norm": float("nan"),
                     "skip_reason": "non-finite loss or gradient"}
         ok, grad_norm, _ = model.optimizer.step()
@@ -248,14 +252,6 @@ class FlowRun:
         t = torch.as_tensor(value, dtype=torch.float64).clone()
         dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
         return t.item() / parallel_state.get_data_parallel_world_size()
-
-    def _all_finite(self, loss: float) -> bool:
-        finite = bool(torch.isfinite(torch.tensor(loss))) and all(
-            bool(torch.isfinite(getattr(p, "main_grad", p.grad)).all())
-            for chunk in self.model.chunks for p in chunk.parameters() if p.requires_grad)
-        flag = torch.tensor(1.0 if finite else 0.0)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
 
     def train(self):
         args = self.args

@@ -9,6 +9,7 @@ evaluated (ODE sampling from fixed noise) before the first iteration, every inte
 the end; the run folder (`--tensorboard-dir`, else `--save`) then gets `reward_curve.png` and
 `before_after.png`.
 """
+import math
 import os
 
 import torch
@@ -81,13 +82,17 @@ class GRPORun:
             decoder=components.decoder(components.block(self.model_cfg, "ae", "--mm-model"), self.device, dtype),
             reward=self.reward, ref_policy=self.ref_policy, device=self.device)
         self.evaluator = self._evaluator(height, width)
-        self.evaluations = {}  # iteration -> held-out stats
+        # For the figures, across resumes: iteration -> held-out stats, and reward/mean per iteration.
+        self.evaluations, self.train_rewards = {}, []
         self.start_iteration = 0
         if trainable.resume:
             self.start_iteration, extra = load_checkpoint(
                 args.load, self.policy, self.optimizer, self.scheduler,
                 load_optim=not args.no_load_optim, load_rng=not args.no_load_rng)
             self.prompts.load_state_dict({"consumed": extra.get("consumed_prompts", 0)})
+            self.evaluations = dict(extra.get("evaluations", {}))
+            past = list(extra.get("train_rewards", []))[:self.start_iteration]  # none in older checkpoints
+            self.train_rewards = [math.nan] * (self.start_iteration - len(past)) + past
 
     def _evaluator(self, height, width):
         """Held-out prompts x `eval_samples_per_prompt` (data.json, default 1) from fixed noise
@@ -112,6 +117,7 @@ class GRPORun:
                 prompts = self.prompts.next_batch(self.settings.prompts_per_iteration)
                 stats = self.schedule.iteration(it, prompts)
                 history.append(stats)
+                self.train_rewards.append(stats.get("reward/mean", math.nan))
                 logger.log(it + 1, stats)
                 done = it + 1
                 eval_due = bool(args.eval_interval) and (done % args.eval_interval == 0 or done == args.train_iters)
@@ -124,14 +130,15 @@ class GRPORun:
             if args.save and ran and (not args.save_interval or args.train_iters % args.save_interval):
                 self.save(args.train_iters)
             if first is not None and last is not None and is_logging_rank() and self.run_dir:
-                self.write_figures(history, first, last)
+                self.write_figures(first, last)
         finally:
             logger.close()
         return history
 
     def save(self, iteration):
         save_checkpoint(self.args.save, iteration, self.policy, self.optimizer, self.scheduler, self.meta,
-                        {"consumed_prompts": self.prompts.consumed, "iteration": iteration})
+                        {"consumed_prompts": self.prompts.consumed, "iteration": iteration,
+                         "evaluations": self.evaluations, "train_rewards": self.train_rewards})
 
     @property
     def run_dir(self):
@@ -152,20 +159,21 @@ class GRPORun:
             logger.image_grid(iteration, result.images[:16], os.path.join(self.image_dir, f"eval_{iteration:06d}.png"))
         return result
 
-    def write_figures(self, history, before, after):
-        """reward_curve.png and before_after.png (the first held-out samples, framed by the
-        accuracy-like reward when there is one: the last weight-0 reward, else the total)."""
+    def write_figures(self, before, after):
+        """reward_curve.png (from iteration 0, resumes included) and before_after.png: the first
+        held-out samples at this run's start and end, framed by the accuracy-like reward when there
+        is one (the last weight-0 reward, else the total)."""
         from mm_grpo.training import figures
-        offset = self.start_iteration
-        curve = [{}] * offset + history
+        curve = [{"reward/mean": r} for r in self.train_rewards]
         figures.reward_curve(curve, self.evaluations, os.path.join(self.run_dir, "reward_curve.png"))
         ok = None
         for name, weight in self.reward.weights.items():
             if weight == 0 and name in before.values:
                 ok = name
+        start = "before" if self.start_iteration == 0 else f"iteration {self.start_iteration}"
         figures.before_after_grid(before.prompts, before.images, after.images,
                                   os.path.join(self.run_dir, "before_after.png"),
-                                  before.values.get(ok), after.values.get(ok))
+                                  before.values.get(ok), after.values.get(ok), labels=(start, "after"))
 
 
 def main(argv=None):

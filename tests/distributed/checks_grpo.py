@@ -55,7 +55,8 @@ def _run_layout(name):
     if dist.get_rank() == 0 and not os.path.exists(model_json):
         write_configs(os.path.join(out, "cfg"), os.environ["MM_GRPO_TEST_PIPELINE"], reward=SMOOTH_REWARD)
     dist.barrier()
-    history, run = run_grpo(grpo_argv(model_json, data_json, iters=2, extra=_layout_argv(name)))
+    history, run = run_grpo(grpo_argv(model_json, data_json, iters=2,
+                                      extra=_layout_argv(name) + ["--save", os.path.join(out, f"ckpt_{name}")]))
     weights = gather_hf_state_dict(run.policy)
     if dist.get_rank() == 0:
         torch.save({"history": history, "weights": weights}, os.path.join(out, f"grpo_{name}.pt"))
@@ -120,6 +121,20 @@ def grpo_branch_pp2():
 @check(2)
 def grpo_branch_dp2():
     return _run_layout("branch_dp2")
+
+
+@check(2)
+def grpo_resume_on_another_layout():
+    """The DP2 run's checkpoint (TP1: one model shard) loaded under TP2 with --no-load-optim: the
+    weights and the iteration carry over although rank 1's shard name does not exist."""
+    out = os.environ["MM_GRPO_TEST_OUT"]
+    model_json, data_json = os.path.join(out, "cfg", "model.json"), os.path.join(out, "cfg", "data.json")
+    saved = torch.load(os.path.join(out, "grpo_dp2.pt"), weights_only=False)["weights"]
+    _, run = run_grpo(grpo_argv(model_json, data_json, iters=2, extra=LAYOUTS["tp2"] + [
+        "--load", os.path.join(out, "ckpt_dp2"), "--no-load-optim"]))
+    weights = gather_hf_state_dict(run.policy)
+    return {"start_iteration": run.start_iteration,
+            "max_weight_diff": max((weights[n] - w).abs().max().item() for n, w in saved.items())}
 
 
 @check(2)

@@ -58,6 +58,11 @@ def test_distributed_optimizer_resumes_exactly(torchrun):
     assert m["max_weight_diff"] == 0.0
 
 
+def test_checkpoint_resumes_on_another_layout_without_the_optimizer(torchrun):
+    m = check_result(torchrun(2), "grpo_resume_on_another_layout")
+    assert m["start_iteration"] == 2 and m["max_weight_diff"] == 0.0
+
+
 def test_advantages_gathered_across_two_ranks(torchrun):
     r0, r1 = check_result(torchrun(2), "advantages_gathered")["ranks"]
     rewards, prompts = torch.tensor(ADVANTAGE_REWARDS), ADVANTAGE_PROMPTS

@@ -77,8 +77,12 @@ class FluxConfig:
             path = os.path.join(config, "config.json") if os.path.isdir(config) else config
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"no diffusers config.json at {path}")
-            with open(path) as f:
-                config = json.load(f)
+            config = _read_json(path)
+        elif not isinstance(config, dict) or set(config) - set(_DIFFUSERS_FIELDS):
+            # written by hand (model.json's predictor.config): a misspelt field must not fall back
+            # to FLUX.1-dev's value silently. A config.json may hold more (diffusers adds fields).
+            unknown = sorted(set(config) - set(_DIFFUSERS_FIELDS)) if isinstance(config, dict) else config
+            raise ValueError(f"unknown FLUX config field(s) {unknown}; known: {', '.join(_DIFFUSERS_FIELDS)}")
         arch = {k: config[k] for k in _DIFFUSERS_FIELDS if k in config}
         return cls(**arch, **runtime)
 
@@ -87,6 +91,14 @@ class FluxConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown FLUX preset {name!r}; choose one of {sorted(PRESETS)}")
         return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
 PRESETS = {

@@ -91,8 +91,11 @@ def open_diffusers_weights(path: str, backend: str = "mmap") -> SafetensorsWeigh
     folder = transformer_dir(path)
     index = os.path.join(folder, _INDEX)
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError, TypeError):
+            raise ValueError(f"{index} is not a safetensors index (JSON with a 'weight_map' of shard files)") from None
         files = [os.path.join(folder, name) for name in files]
         missing = [p for p in files if not os.path.isfile(p)]
         if missing:
