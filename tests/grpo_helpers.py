@@ -1,4 +1,4 @@
-"""Builds small GRPO runs on the tiny pipeline (shared by single- and multi-process tests)."""
+"""Builds small GRPO and flow-matching runs on the tiny pipeline (shared by single- and multi-process tests)."""
 import json
 import os
 
@@ -74,4 +74,35 @@ def run_grpo(argv):
     from mm_grpo.training.arguments import parse_args
     from mm_grpo.training.train_grpo import GRPORun
     run = GRPORun(parse_args(list(argv)))
+    return run.train(), run
+
+
+def write_flow_configs(folder, pipeline_dir, num_images=8, reward=None):
+    """A shapes dataset and model.json / data.json for the tiny pipeline; returns (model, data) paths."""
+    from mm_grpo.data.shapes import generate_dataset
+    os.makedirs(folder, exist_ok=True)
+    data_dir = os.path.join(folder, "data")
+    if not os.path.exists(data_dir):
+        generate_dataset(data_dir, num_images, seed=4)
+    model = {"ae": {"from_pretrained": str(pipeline_dir)},
+             "text_encoder": {"from_pretrained": str(pipeline_dir), "max_sequence_length": 32},
+             "predictor": {"model_id": "flux", "from_pretrained": os.path.join(str(pipeline_dir), "transformer")},
+             "image_size": [64, 64]}
+    if reward:
+        model["reward"] = reward
+    data = {"dataset_param": {"data_folder": "data", "cache_features": True},
+            "dataloader_param": {"shuffle": True, "seed": 5}}
+    return write_run_configs(folder, model, data)
+
+
+def flow_argv(model_json, data_json, iters=2, extra=()):
+    return ["--mm-model", model_json, "--mm-data", data_json, "--train-iters", str(iters),
+            "--global-batch-size", "4", "--micro-batch-size", "2", "--lr", "1e-3", "--no-progress-bar",
+            "--log-interval", "1000", "--seed", "3", *extra]
+
+
+def run_flow(argv):
+    """(history, run) of a flow-matching run in this process group."""
+    from mm_grpo.training.train_flow import FlowRun, parse_args
+    run = FlowRun(parse_args(list(argv)))
     return run.train(), run

@@ -9,8 +9,8 @@ import torch
 from mm_grpo.data.image_captions import ImageCaptionDataset
 from mm_grpo.training.flow_matching import (FlowMatchingSettings, flow_matching_loss, noisy_latents, sample_sigmas,
                                             shift_sigmas)
-from tests.distributed.checks_flow import flow_argv, run_flow, write_flow_configs
 from tests.fixtures import parallel_1proc  # noqa: F401
+from tests.grpo_helpers import flow_argv, run_flow, write_flow_configs
 
 
 # --- the objective ---------------------------------------------------------------------

@@ -4,10 +4,9 @@ import os
 import pytest
 import torch
 
-from tests.distributed.checks_flow import flow_argv, run_flow, write_flow_configs
-from tests.grpo_helpers import ADAM_LINEAR
 from tests.distributed.conftest import check_result
 from tests.fixtures import parallel_1proc  # noqa: F401
+from tests.grpo_helpers import ADAM_LINEAR, flow_argv, run_flow, write_flow_configs
 from tests.utils import rel_err
 
 TOL = 1e-5
