@@ -282,16 +282,14 @@ class GRPOSchedule:
                 t = steps[r, k].to(self.device)
                 out.append(dict(
                     self.objective.fields(traj, r, t, k, drawn), timestep=self.sigmas[t], advantages=advantages[r],
-                    encoder_hidden_states=cond["encoder_hidden_states"][r],
-                    pooled_projections=cond["pooled_projections"][r], guidance=cond["guidance"][r],
+                    **{key: cond[key][r] for key in PER_SAMPLE_CONDITIONING},
                     txt_ids=cond["txt_ids"], img_ids=cond["img_ids"]))
         return out
 
     def attach_reference(self, micro_batches):
         """The reference policy's velocity on each row, for the objective's KL term (forward-only)."""
         for mb in micro_batches:
-            cond = {k: mb[k] for k in ("encoder_hidden_states", "pooled_projections", "txt_ids", "img_ids",
-                                       "guidance")}
+            cond = {k: mb[k] for k in (*PER_SAMPLE_CONDITIONING, "txt_ids", "img_ids")}
             v_ref = make_velocity_fn(self.ref_policy, cond, self.s.micro_batch_size)(mb["hidden_states"],
                                                                                        mb["timestep"])
             self.objective.attach_reference(mb, v_ref)

@@ -5,10 +5,9 @@ parallel sizes, batch sizes, optimizer, checkpointing, logging, plus `--mm-model
 `--mm-data` (MindSpeed-MM's JSON configs) and a GRPO group.
 """
 import argparse
-import json
-import os
 
 from mm_grpo.grpo.schedule import OBJECTIVES, TIMESTEP_SELECTIONS
+from mm_grpo.jsonfile import load_json
 from mm_grpo.rollout.samplers import SAMPLERS
 
 
@@ -108,16 +107,6 @@ def build_parser(grpo: bool = True):
     if grpo:
         _add_grpo_args(p)
     return p
-
-
-def load_json(path, what):
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{what} not found: {path}")
-    with open(path) as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{what} {path} is not valid JSON: {e}") from None
 
 
 def check_counts(args):

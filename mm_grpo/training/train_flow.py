@@ -23,12 +23,13 @@ from megatron.core import parallel_state
 
 from mm_grpo import get_platform
 from mm_grpo.data.image_captions import ImageCaptionDataset
+from mm_grpo.jsonfile import load_json
 from mm_grpo.parallel import initialize_parallel
 from mm_grpo.parallel.pipeline import forward_backward
 from mm_grpo.pipeline.latents import pack_latents
 from mm_grpo.seeding import seeded_generator
 from mm_grpo.training import components
-from mm_grpo.training.arguments import build_parser, check_counts, load_json
+from mm_grpo.training.arguments import build_parser, check_counts
 from mm_grpo.training.entry import run_entry, train_and_report
 from mm_grpo.training.checkpointing import load_checkpoint, save_checkpoint
 from mm_grpo.training.evaluation import conditioning

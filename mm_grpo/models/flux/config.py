@@ -1,8 +1,9 @@
 """FLUX transformer configuration: plain data, with presets and diffusers interop."""
 import dataclasses
-import json
 import os
 from typing import Optional, Tuple
+
+from mm_grpo.jsonfile import load_json
 
 # Fields of diffusers' FluxTransformer2DModel config that define the architecture.
 _DIFFUSERS_FIELDS = (
@@ -77,7 +78,7 @@ class FluxConfig:
             path = os.path.join(config, "config.json") if os.path.isdir(config) else config
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"no diffusers config.json at {path}")
-            config = _read_json(path)
+            config = load_json(path, "diffusers config")
         elif not isinstance(config, dict) or set(config) - set(_DIFFUSERS_FIELDS):
             # written by hand (model.json's predictor.config): a misspelt field must not fall back
             # to FLUX.1-dev's value silently. A config.json may hold more (diffusers adds fields).
@@ -91,14 +92,6 @@ class FluxConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown FLUX preset {name!r}; choose one of {sorted(PRESETS)}")
         return dataclasses.replace(PRESETS[name], **overrides)
-
-
-def _read_json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
 PRESETS = {

@@ -4,7 +4,6 @@ Reads lazily: only the tensors this rank's stage needs are read from the safeten
 files, one at a time, so a rank never holds the whole checkpoint.
 """
 import glob
-import json
 import os
 from collections.abc import Mapping
 
@@ -12,6 +11,7 @@ import torch
 from megatron.core import parallel_state
 from safetensors import safe_open
 
+from mm_grpo.jsonfile import load_json
 from mm_grpo.models.flux import layout
 from mm_grpo.models.flux.config import FluxConfig
 
@@ -91,12 +91,11 @@ def open_diffusers_weights(path: str, backend: str = "mmap") -> SafetensorsWeigh
     folder = transformer_dir(path)
     index = os.path.join(folder, _INDEX)
     if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, AttributeError, TypeError):
-            raise ValueError(f"{index} is not a safetensors index (JSON with a 'weight_map' of shard files)") from None
-        files = [os.path.join(folder, name) for name in files]
+        weight_map = load_json(index, "safetensors index")
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} is not a safetensors index (JSON with a 'weight_map' of shard files)")
+        files = [os.path.join(folder, name) for name in sorted(set(weight_map.values()))]
         missing = [p for p in files if not os.path.isfile(p)]
         if missing:
             raise FileNotFoundError(f"{index} names shard files that do not exist: {missing}")

@@ -1,0 +1,14 @@
+"""JSON files read with one-line errors that name the file (configs, checkpoint indexes)."""
+import json
+import os
+
+
+def load_json(path: str, what: str):
+    """The parsed file; FileNotFoundError / ValueError naming `what` and `path` otherwise."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{what} not found: {path}")
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what} {path} is not valid JSON: {e}") from None
