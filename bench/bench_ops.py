@@ -30,6 +30,10 @@ def _rms_old(x, weight, eps=1e-6):
     return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
+_compiled_gelu_tanh = torch.compile(lambda x: F.gelu(x, approximate="tanh"))  # inductor's own lowering
+_compiled_gelu = torch.compile(kernels.gelu_tanh)  # mm-grpo's (the sigmoid form when compiled)
+
+
 def cases(batch):
     s = N_TXT + GRID[0] * GRID[1]
     rows = s * batch
@@ -46,6 +50,7 @@ def cases(batch):
     w_out, o, mlp = rand(D, 5 * D), rand(s, batch, D), rand(s, batch, 4 * D)
     wq, wk, wv, w_fused = rand(D, D), rand(D, D), rand(D, D), rand(3 * D, D)
     b, b_out, b3 = rand(3 * D), rand(D), rand(3 * D)
+    h = rand(s, batch, 4 * D)  # the single block's MLP activation
     norm_w = rand(d_head)
     return {
         "bias in the GEMM (qkv, D -> 3D)": (
@@ -63,6 +68,8 @@ def cases(batch):
             lambda: torch.matmul(torch.cat([o, mlp], -1), w_out.t()) + b_out,
             lambda: torch.addmm(torch.addmm(b_out, o.reshape(-1, D), w_out[:, :D].t()), mlp.reshape(-1, 4 * D),
                                 w_out[:, D:].t()).view(s, batch, D), [o, mlp, w_out, b_out]),
+        "GELU under torch.compile: tanh vs sigmoid form": (
+            lambda: _compiled_gelu_tanh(h), lambda: _compiled_gelu(h), [h]),
         "fused qkv GEMM vs three (reference model)": (
             lambda: torch.cat([F.linear(x, wq, b3[:D]), F.linear(x, wk, b3[D:2 * D]), F.linear(x, wv, b3[2 * D:])], -1),
             lambda: F.linear(x, w_fused, b3), [x, wq, wk, wv, w_fused, b3]),

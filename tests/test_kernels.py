@@ -155,3 +155,30 @@ def test_torch_attention_is_softmax_attention():
     q, k, v = (torch.randn(2, 3, 9, 8, generator=g) for _ in range(3))
     expected = F.softmax(q @ k.transpose(-1, -2) / math.sqrt(8), dim=-1) @ v
     assert rel_err(kernels.attention_torch(q, k, v), expected) <= 1e-6
+
+
+@pytest.mark.parametrize("compiling", [False, True], ids=["eager", "sigmoid-form"])
+def test_gelu_tanh_is_torch_gelu_in_both_forms(monkeypatch, compiling):
+    """The compiled form (sigmoid identity) and the eager one are torch's tanh GELU, values and
+    gradients, to fp32 rounding; and torch.compile really traces the sigmoid form."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+    x = (4 * torch.randn(4096, generator=torch.Generator().manual_seed(0), dtype=torch.float64)).float()
+    x = x.requires_grad_()
+    ref_x = x.detach().double().requires_grad_()
+    out, ref = kernels.gelu_tanh(x), F.gelu(ref_x, approximate="tanh")
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-6)
+    grad = torch.randn(4096, dtype=torch.float64)
+    out.backward(grad.float())
+    ref.backward(grad)
+    torch.testing.assert_close(x.grad.double(), ref_x.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_gelu_tanh_traces_the_sigmoid_form():
+    ops = []
+
+    def backend(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    torch.compile(kernels.gelu_tanh, backend=backend, fullgraph=True)(torch.randn(8))
+    assert any("sigmoid" in op for op in ops) and not any("gelu" in op for op in ops), ops

@@ -6,9 +6,9 @@ parallelism x is this rank's [text piece ; image piece] (`n_txt` its local text 
 `rope` is cut the same way and `key_mask` marks the padding (mm_grpo/parallel/ulysses.py).
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from mm_grpo import kernels
 from mm_grpo.models.flux.layers import (
     MLP, QKV, CoreAttention, HeadRMSNorm, Modulation, apply_rope, column_linear, gated_residual,
     layer_norm, modulate, row_linear, split_heads, tp_world_size)
@@ -91,5 +91,5 @@ class SingleStreamBlock(nn.Module):
         q = apply_rope(self.q_norm(q), rope)
         k = apply_rope(self.k_norm(k), rope)
         o = self.core_attention(q, k, v, key_mask)
-        out = self.linear_out.forward_parts([o, F.gelu(mlp, approximate="tanh")])
+        out = self.linear_out.forward_parts([o, kernels.gelu_tanh(mlp)])
         return _clip_fp16(gated_residual(x, gate, out))

@@ -179,7 +179,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         h, _ = self.linear_fc1(x)
-        out, _ = self.linear_fc2(F.gelu(h, approximate="tanh"))
+        out, _ = self.linear_fc2(kernels.gelu_tanh(h))
         return out
 
 

@@ -161,8 +161,8 @@ class FluxTransformer(MegatronModule):
     def _compiled(block):
         """The block under torch.compile (inductor), made on first use. Between its GEMMs a
         block is a chain of memory-bound element-wise ops (LayerNorm + modulation, QK norm,
-        RoPE, GELU, gated residuals) that inductor fuses: 1.14x on forward + backward at D = 256
-        on CPU, but -3% to +8% (mean ~3%) on a whole GRPO iteration (docs/performance.md). The
+        RoPE, GELU, gated residuals) that inductor fuses: ~7% on a whole GRPO iteration at D = 256
+        on CPU (docs/performance.md; GELU takes its sigmoid form then, kernels.gelu_tanh). The
         weights are graph inputs (dynamo inlines nn.Modules), so blocks of one kind share their
         compiled code."""
         if not hasattr(block, "_compiled_forward"):
