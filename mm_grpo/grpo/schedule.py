@@ -20,6 +20,7 @@ from mm_grpo.grpo.loss import awm_loss, grpo_loss
 from mm_grpo.grpo.timesteps import (SlidingWindow, branch_window, dance_grpo_timesteps, flow_grpo_timesteps,
                                     window_timesteps)
 from mm_grpo.parallel.pipeline import PER_SAMPLE_CONDITIONING, forward_backward, make_velocity_fn
+from mm_grpo.parallel.state import dp_mean, dp_reduce
 from mm_grpo.rollout import SharedPrefix, get_sampler, rollout, sde_steps, sigma_schedule
 from mm_grpo.seeding import seeded_generator
 from mm_grpo.training.flow_matching import noisy_latents
@@ -375,20 +376,14 @@ class GRPOSchedule:
         return stats
 
     # --- reductions over data-parallel ranks -----------------------------------------
-    def _reduce(self, value, op):
-        t = torch.as_tensor(value, dtype=torch.float64, device=self.device).clone()
-        if self.dp_size > 1:
-            dist.all_reduce(t, op=op, group=self.dp_group)
-        return t.item()
-
     def _dp_mean(self, value):
-        return self._reduce(value, dist.ReduceOp.SUM) / self.dp_size
+        return dp_mean(value, self.device)
 
     def _dp_max(self, value):
-        return self._reduce(value, dist.ReduceOp.MAX)
+        return dp_reduce(value, dist.ReduceOp.MAX, self.device)
 
     def _dp_std(self, values):
-        n = self._reduce(values.numel(), dist.ReduceOp.SUM)
-        mean = self._reduce(values.double().sum(), dist.ReduceOp.SUM) / n
-        var = self._reduce(((values.double() - mean) ** 2).sum(), dist.ReduceOp.SUM) / max(n - 1, 1)
+        n = dp_reduce(values.numel(), device=self.device)
+        mean = dp_reduce(values.double().sum(), device=self.device) / n
+        var = dp_reduce(((values.double() - mean) ** 2).sum(), device=self.device) / max(n - 1, 1)
         return var ** 0.5

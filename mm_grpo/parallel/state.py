@@ -83,3 +83,16 @@ def initialize_parallel(parallel: ParallelConfig = ParallelConfig(), seed: int =
 def destroy_parallel():
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+
+
+def dp_reduce(value, op=dist.ReduceOp.SUM, device=None) -> float:
+    """A scalar statistic (a number or a 0-d tensor) reduced over the data-parallel group, in
+    float64 on `device` (default: the tensor's own; NCCL / HCCL need the accelerator's)."""
+    t = torch.as_tensor(value, dtype=torch.float64, device=device).clone()
+    if parallel_state.get_data_parallel_world_size() > 1:
+        dist.all_reduce(t, op=op, group=parallel_state.get_data_parallel_group())
+    return t.item()
+
+
+def dp_mean(value, device=None) -> float:
+    return dp_reduce(value, device=device) / parallel_state.get_data_parallel_world_size()

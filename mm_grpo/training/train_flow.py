@@ -18,7 +18,6 @@ import time
 from typing import Dict, List
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 
 from mm_grpo import get_platform
@@ -26,6 +25,7 @@ from mm_grpo.data.image_captions import ImageCaptionDataset
 from mm_grpo.jsonfile import load_json
 from mm_grpo.parallel import initialize_parallel
 from mm_grpo.parallel.pipeline import forward_backward
+from mm_grpo.parallel.state import dp_mean
 from mm_grpo.pipeline.latents import pack_latents
 from mm_grpo.seeding import seeded_generator
 from mm_grpo.training import components
@@ -239,7 +239,7 @@ class FlowRun:
             chunk.zero_grad_buffer()
         model.optimizer.zero_grad()
         per_mb = forward_backward(model.chunks, micro_batches, self.loss_fn)
-        loss = self._dp_mean(torch.stack([m["loss"].float() for m in per_mb]).mean())
+        loss = dp_mean(torch.stack([m["loss"].float() for m in per_mb]).mean())
         if not all_finite(loss, self.model.chunks):
             return {"loss": loss, "skipped": 1.0, "grad_norm": float("nan"),
                     "skip_reason": "non-finite loss or gradient"}
@@ -248,11 +248,6 @@ class FlowRun:
             model.scheduler.step(increment=1)
         return {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
                 "skipped": 0.0 if ok else 1.0, "lr": model.optimizer.param_groups[0]["lr"]}
-
-    def _dp_mean(self, value) -> float:
-        t = torch.as_tensor(value, dtype=torch.float64).clone()
-        dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
-        return t.item() / parallel_state.get_data_parallel_world_size()
 
     def train(self):
         args = self.args
