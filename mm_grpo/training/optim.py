@@ -46,10 +46,10 @@ def build_scheduler(optimizer, args):
 
 def all_finite(loss: float, ddp_chunks) -> bool:
     """The loss and every gradient finite, agreed by all ranks (the optimizer step is collective,
-    so either every rank steps or none does)."""
-    finite = math.isfinite(loss) and all(
-        bool(torch.isfinite(getattr(p, "main_grad", p.grad)).all())
-        for chunk in ddp_chunks for p in chunk.parameters() if p.requires_grad)
-    flag = torch.tensor(1.0 if finite else 0.0)
+    so either every rank steps or none does). The flag lives on the parameters' device:
+    NCCL / HCCL reduce accelerator tensors only."""
+    params = [p for chunk in ddp_chunks for p in chunk.parameters() if p.requires_grad]
+    finite = math.isfinite(loss) and all(bool(torch.isfinite(getattr(p, "main_grad", p.grad)).all()) for p in params)
+    flag = torch.tensor(1.0 if finite else 0.0, device=params[0].device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
