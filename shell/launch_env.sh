@@ -22,11 +22,11 @@ if [ "$DEVICE" = "npu" ]; then  # Ascend settings MindSpeed-MM's scripts use
   source /usr/local/Ascend/ascend-toolkit/set_env.sh 2>/dev/null || true
 fi
 export CUDA_DEVICE_MAX_CONNECTIONS=1
-# One thread per process on CPU: the launchers start one process per core.
-[ "$DEVICE" = "cpu" ] && export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-# glibc returns freed blocks above 128 kB to the OS and page-faults them in again on the next
-# use (at the bench preset ~160k faults per iteration); keep them (docs/performance.md).
 if [ "$DEVICE" = "cpu" ]; then
+  # One thread per process: the launchers start one process per core.
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+  # glibc returns freed blocks above 128 kB to the OS and page-faults them in again on the next
+  # use (at the bench preset ~160k faults per iteration); keep them (docs/performance.md).
   export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-33554432}" MALLOC_TRIM_THRESHOLD_="${MALLOC_TRIM_THRESHOLD_:-4294967296}"
 fi
 true

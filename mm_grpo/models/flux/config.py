@@ -76,9 +76,7 @@ class FluxConfig:
         """From a diffusers config dict, a `config.json` path, or a transformer folder."""
         if isinstance(config, (str, os.PathLike)):
             path = os.path.join(config, "config.json") if os.path.isdir(config) else config
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"no diffusers config.json at {path}")
-            config = load_json(path, "diffusers config")
+            config = load_json(path, "diffusers config.json")
         elif not isinstance(config, dict) or set(config) - set(_DIFFUSERS_FIELDS):
             # written by hand (model.json's predictor.config): a misspelt field must not fall back
             # to FLUX.1-dev's value silently. A config.json may hold more (diffusers adds fields).
