@@ -56,8 +56,7 @@ def _requested(force: str | None) -> str | None:
 def _npu_available() -> bool:
     if importlib.util.find_spec("torch_npu") is None:
         return False
-    importlib.import_module("torch_npu")  # registers torch.npu
-    return torch.npu.is_available()
+    return importlib.import_module("torch_npu").npu.is_available()  # importing registers torch.npu
 
 
 def detect_device() -> str:
