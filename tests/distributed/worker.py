@@ -7,6 +7,7 @@ pytest side asserts on (tests/distributed/test_*.py). Run by tests/distributed/c
     torchrun --nproc_per_node N -m tests.distributed.worker OUT.json
 """
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -24,6 +25,8 @@ CHECK_MODULES = [
     "tests.distributed.checks_grpo",
     "tests.distributed.checks_flow",
 ]
+if importlib.util.find_spec("megatron.training") is not None:  # MindSpeed-MM's environment
+    CHECK_MODULES.append("tests.distributed.checks_mindspeed_mm")  # the real PredictModel
 
 _CHECKS = []
 

@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 from mm_grpo.jsonfile import load_json
 
 # Fields of diffusers' FluxTransformer2DModel config that define the architecture.
-_DIFFUSERS_FIELDS = (
+DIFFUSERS_FIELDS = (
     "patch_size", "in_channels", "out_channels", "num_layers", "num_single_layers",
     "attention_head_dim", "num_attention_heads", "joint_attention_dim",
     "pooled_projection_dim", "guidance_embeds", "axes_dims_rope",
@@ -67,7 +67,7 @@ class FluxConfig:
 
     # --- diffusers interop -------------------------------------------------------
     def to_diffusers_config(self) -> dict:
-        cfg = {k: getattr(self, k) for k in _DIFFUSERS_FIELDS}
+        cfg = {k: getattr(self, k) for k in DIFFUSERS_FIELDS}
         cfg["axes_dims_rope"] = list(self.axes_dims_rope)
         return cfg
 
@@ -77,12 +77,12 @@ class FluxConfig:
         if isinstance(config, (str, os.PathLike)):
             path = os.path.join(config, "config.json") if os.path.isdir(config) else config
             config = load_json(path, "diffusers config.json")
-        elif not isinstance(config, dict) or set(config) - set(_DIFFUSERS_FIELDS):
+        elif not isinstance(config, dict) or set(config) - set(DIFFUSERS_FIELDS):
             # written by hand (model.json's predictor.config): a misspelt field must not fall back
             # to FLUX.1-dev's value silently. A config.json may hold more (diffusers adds fields).
-            unknown = sorted(set(config) - set(_DIFFUSERS_FIELDS)) if isinstance(config, dict) else config
-            raise ValueError(f"unknown FLUX config field(s) {unknown}; known: {', '.join(_DIFFUSERS_FIELDS)}")
-        arch = {k: config[k] for k in _DIFFUSERS_FIELDS if k in config}
+            unknown = sorted(set(config) - set(DIFFUSERS_FIELDS)) if isinstance(config, dict) else config
+            raise ValueError(f"unknown FLUX config field(s) {unknown}; known: {', '.join(DIFFUSERS_FIELDS)}")
+        arch = {k: config[k] for k in DIFFUSERS_FIELDS if k in config}
         return cls(**arch, **runtime)
 
     @classmethod

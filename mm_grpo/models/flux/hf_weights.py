@@ -142,13 +142,20 @@ def load_hf_weights(model, weights, check: bool = True):
     config = model.flux_config
     if check:
         check_hf_weights(weights, config)
+    rules = list(layout.stage_rules(config, model.block_range, model.pre_process, model.post_process))
+    unruled = sorted(set(dict(model.named_parameters())) - {r.megatron for r in rules})
+    if unruled:
+        raise RuntimeError(f"model parameters without a layout rule: {unruled}")
+    copy_hf_weights(model, weights, rules)
+    return model
+
+
+def copy_hf_weights(model, weights, rules):
+    """Copy the diffusers tensors of `rules` (of `model`'s stage) into this rank's TP shards."""
+    config = model.flux_config
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     params = dict(model.named_parameters())
-    rules = list(layout.stage_rules(config, model.block_range, model.pre_process, model.post_process))
-    unruled = sorted(set(params) - {r.megatron for r in rules})
-    if unruled:
-        raise RuntimeError(f"model parameters without a layout rule: {unruled}")
     with torch.no_grad():
         for rule in rules:
             full = layout.merge(rule, [weights[h] for h in rule.hf], config)
@@ -158,4 +165,3 @@ def load_hf_weights(model, weights, check: bool = True):
                 raise ValueError(f"{rule.megatron}: shard shape {tuple(local.shape)} does not fit "
                                  f"the model's {tuple(param.shape)}")
             param.copy_(local)
-    return model
