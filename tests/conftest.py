@@ -1,3 +1,8 @@
+from tests.testbed import adapt_megatron_first, has_megatron_training
+
+if has_megatron_training():  # MindSpeed-MM's environment: MindSpeed's adaptor before Megatron, as on NPU
+    adapt_megatron_first()
+
 import pytest
 
 from mm_grpo.pipeline.tiny import build_tiny_pipeline

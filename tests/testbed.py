@@ -34,16 +34,18 @@ STANDINS = {
         "Ascend's torch graph compiler (CANN): MindSpeed's op builders import it at module level; "
         "same stand-in as torch_npu."),
     "mindspeed.megatron_adaptor": (
-        "imports torch_npu.contrib.transfer_to_npu and patches Megatron with MindSpeed's NPU features "
-        "at import; the stand-in re-exports MindSpeed's real argument helpers only "
-        "(tests/standins/mindspeed_megatron_adaptor.py)."),
+        "patches Megatron for the NPU at import (torch_npu's cuda->npu mapping, HCCL process-group "
+        "options, Ascend kernels built against CANN), which on CPU is mm-grpo's CPU patch set's job; "
+        "the stand-in applies MindSpeed's own argument handling and multi-tensor pipeline schedule "
+        "with MindSpeed's patch manager (tests/standins/mindspeed_megatron_adaptor.py)."),
 }
 _NPU_ONLY = ("torch_npu", "torchair")  # these and their submodules: tests/standins/npu_only.py
 
 
 class _StandInLoader(importlib.abc.Loader):
     def create_module(self, spec):
-        sys.path.insert(0, STANDIN_DIR) if STANDIN_DIR not in sys.path else None
+        if STANDIN_DIR not in sys.path:
+            sys.path.insert(0, STANDIN_DIR)
         from npu_only import make_module
         return make_module(spec.name)
 
@@ -84,6 +86,18 @@ def install_standins():
             sys.path.insert(0, path)
     if not any(isinstance(f, _StandInFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _StandInFinder())
+
+
+def adapt_megatron_first():
+    """What `import mm_grpo` does on an NPU, before Megatron is imported: MindSpeed's Megatron
+    adaptor (here its stand-in). MindSpeed-MM's environment runs every test process this way
+    (tests/conftest.py, tests/standins/sitecustomize.py)."""
+    if "mindspeed.megatron_adaptor" in sys.modules:
+        return
+    if "megatron.core" in sys.modules:
+        raise RuntimeError("megatron.core was imported before MindSpeed's adaptor: install the testbed first")
+    install_standins()
+    importlib.import_module("mindspeed.megatron_adaptor")
 
 
 def subprocess_env(env=None) -> dict:

@@ -3,9 +3,11 @@ compiler; both need CANN and an NPU): see tests/testbed.py.
 
 MindSpeed-MM and MindSpeed import them at module level almost everywhere, for NPU kernels
 they call only on an NPU. A stand-in module imports, has every submodule, and every attribute
-is an NPU-only function that raises when called; the one exception is
-`torch_npu.npu.current_device()` / `is_available()`, which answer for the CPU the tests run on.
+is an NPU-only function that raises when called; the exceptions are
+`torch_npu.npu.current_device()` / `is_available()` and `Tensor.npu()`, which answer for the CPU the
+tests run on (importing the stand-in registers them as `torch.npu` / `Tensor.npu`, as the real torch_npu does).
 """
+import sys
 import types
 
 import torch
@@ -36,19 +38,17 @@ class NpuOnlyModule(types.ModuleType):
         return NpuOnly(f"{self.__name__}.{name}")
 
 
-class _Npu(NpuOnly):
-    def current_device(self):
-        return torch.device("cpu")
-
-    def is_available(self):
-        return False
-
-
 def make_module(name: str) -> types.ModuleType:
     module = NpuOnlyModule(name, f"stand-in for {name} (tests/testbed.py)")
     module.__path__ = []  # a package: every submodule imports
     module.__file__ = __file__
     if name == "torch_npu":
-        module.npu = _Npu("torch_npu.npu")
+        module.npu = sys.modules["torch_npu.npu"] = make_module("torch_npu.npu")
         module.__version__ = "0.0.0+standin"
+        torch.npu = module.npu  # as importing the real torch_npu registers its backend module ...
+        torch.Tensor.npu = lambda self, *args, **kwargs: self  # ... and Tensor.npu(): to the device, the CPU here
+        module.unsupported_dtype = []  # dtypes the NPU lacks; the CPU lacks none MindSpeed lists
+    elif name == "torch_npu.npu":  # where MindSpeed-MM places tensors: the CPU the tests run on
+        module.current_device = lambda: torch.device("cpu")
+        module.is_available = lambda: False
     return module

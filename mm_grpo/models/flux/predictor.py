@@ -25,11 +25,19 @@ from mm_grpo.models.flux import layout
 from mm_grpo.models.flux.config import DIFFUSERS_FIELDS, FluxConfig
 from mm_grpo.models.flux.hf_weights import copy_hf_weights, transformer_dir
 from mm_grpo.models.flux.model import FluxTransformer
+from mm_grpo.pipeline.latents import VAE_SCALE_FACTOR, pack_latents, prepare_latent_image_ids, unpack_latents
+
+# MindSpeed-MM's flow-matching schedulers give timesteps on diffusers' 0..1000 scale (sigma x
+# num_train_timesteps, 1000 in every FLUX scheduler config); FLUX's forward takes sigma, as
+# diffusers' FluxPipeline passes it (timestep / 1000).
+TIMESTEP_SCALE = 1000.0
 
 _RUNTIME = ("recompute_blocks", "compile_blocks", "bf16")  # options of a run, not of the weights
 _STAGE = ("pre_process", "post_process", "global_layer_idx")  # PredictModel's, per pipeline stage
 _BLOCK = ("model_id", "from_pretrained", "dtype", "pipeline_num_layers")
-KNOWN_KEYS = (*DIFFUSERS_FIELDS, *_RUNTIME, *_STAGE, *_BLOCK)
+# Read by the SoRAModel interface only (names as MindSpeed-MM's wandit block has them).
+_SORA = ("text_len", "guidance_scale")
+KNOWN_KEYS = (*DIFFUSERS_FIELDS, *_RUNTIME, *_STAGE, *_BLOCK, *_SORA)
 _DTYPES = {"fp32": False, "float32": False, "bf16": True, "bfloat16": True}  # -> bf16 autocast
 # diffusers names that never occur among the Megatron model's own parameter names
 _DIFFUSERS_ONLY = ("transformer_blocks.", "single_transformer_blocks.", "norm_out.", "proj_out.")
@@ -130,11 +138,88 @@ class FluxPredictor(FluxTransformer):
                     if parallel_state.get_virtual_pipeline_model_parallel_world_size() else None)
         super().__init__(config, pre_process=pre_process, post_process=post_process,
                          block_range=block_range, vp_stage=vp_stage)
+        self.text_len = block.get("text_len")
+        self.guidance_scale = block.get("guidance_scale", 3.5)  # FLUX.1-dev, as mm-grpo's trainers default
+
+    def forward(self, *args, **kwargs):
+        """diffusers' forward (FluxTransformer's), or the call of MindSpeed-MM's SoRAModel,
+        `predictor(latents, timestep=, prompt=, video_mask=, prompt_mask=, **batch)`."""
+        if "prompt" in kwargs:
+            return self.sora_forward(*args, **kwargs)
+        return super().forward(*args, **kwargs)
+
+    def sora_forward(self, latents, timestep, prompt, video_mask=None, prompt_mask=None, guidance=None,
+                     ori_shape=None, **batch):
+        """SoRAModel's predictor call; returns the velocity (noise - x0) in the latents' layout.
+
+        latents: noised VAE latents [B, C, h, w] (or [B, C, 1, h, w]); on a later pipeline stage the
+            previous stage's tensor, with `ori_shape` the latents' shape (pipeline_set_prev_stage_tensor).
+        timestep: [B] or [1] on the scheduler's 0..1000 scale.
+        prompt: the text features [T5 hidden states [B, L, joint_attention_dim], pooled CLIP
+            [B, pooled_projection_dim]], in either order (told apart by their rank); None on later stages.
+        prompt_mask / video_mask: unused (FLUX attends to every text token, as diffusers does).
+        guidance: [B] FLUX.1-dev's guidance embedding input (default: the block's guidance_scale).
+        """
+        shape = tuple(ori_shape if ori_shape is not None else latents.shape)
+        b, (h, w) = shape[0], shape[-2:]
+        sigma = (timestep.float() / TIMESTEP_SCALE).expand(b)
+        img_ids = prepare_latent_image_ids(h // 2, w // 2, device=sigma.device)
+        if self.pre_process:
+            hidden_states = pack_latents(latents.reshape(b, -1, h, w))
+            encoder_hidden_states, pooled = _text_features(prompt)
+            n_txt = encoder_hidden_states.shape[1]
+        else:  # the stage tensor is [text ; image ; silu(temb)]
+            hidden_states = encoder_hidden_states = pooled = None
+            n_txt = latents.shape[0] - 1 - img_ids.shape[0]
+        if guidance is None and self.flux_config.guidance_embeds:
+            guidance = torch.full((b,), float(self.guidance_scale), device=sigma.device)
+        out = super().forward(hidden_states, encoder_hidden_states, pooled, sigma, img_ids,
+                              torch.zeros(n_txt, 3, device=sigma.device), guidance=guidance)
+        if not self.post_process:
+            return out
+        return unpack_latents(out, h * VAE_SCALE_FACTOR, w * VAE_SCALE_FACTOR).reshape(shape)
+
+    # MindSpeed-MM's pipeline contract (pretrain_sora.py / SoRAModel under PP): the tensors that
+    # travel between stages are [stage tensor, latents, noised latents, timesteps, noise].
+    def initialize_pipeline_tensor_shapes(self):
+        from megatron.training import get_args
+        args = get_args()
+        pre = args.mm.data.dataset_param.preprocess_parameters
+        if self.text_len is None:
+            raise ValueError("predictor block: pipeline parallelism needs text_len (the T5 sequence length)")
+        h, w = pre.max_height // VAE_SCALE_FACTOR, pre.max_width // VAE_SCALE_FACTOR
+        channels = self.flux_config.in_channels // 4
+        mbs, dtype = args.micro_batch_size, args.params_dtype
+        seq = self.text_len + (h // 2) * (w // 2) + 1
+        latent = {"shape": (mbs, channels, h, w), "dtype": dtype}
+        return [{"shape": (seq, mbs, self.flux_config.hidden_size), "dtype": dtype}, latent, latent,
+                {"shape": (mbs,), "dtype": torch.float32}, latent]
+
+    @staticmethod
+    def pipeline_set_next_stage_tensor(input_list, output_list, extra_kwargs=None):
+        latents, noised_latents, timesteps, noise, _ = input_list
+        return [output_list, latents, noised_latents, timesteps.float(), noise]
+
+    @staticmethod
+    def pipeline_set_prev_stage_tensor(input_tensor_list, extra_kwargs):
+        stage, latents, noised_latents, timesteps, noise = input_tensor_list
+        extra_kwargs["ori_shape"] = latents.shape
+        return [stage, timesteps, None, None, None], [latents, noised_latents, timesteps, noise, None]
 
     def load_state_dict(self, state_dict, strict=True, assign=False):
         if not is_diffusers_state_dict(state_dict):
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
         return load_diffusers_state_dict(self, state_dict, strict)
+
+
+def _text_features(prompt):
+    """(T5 hidden states [B, L, D], pooled CLIP [B, D']) from SoRAModel's `prompt`."""
+    features = list(prompt) if isinstance(prompt, (list, tuple)) else [prompt]
+    by_rank = {t.ndim: t for t in features if torch.is_tensor(t)}
+    if len(features) != 2 or set(by_rank) != {2, 3}:
+        raise ValueError("flux predictor: prompt must hold two text features, T5 hidden states [B, L, D] and "
+                         f"pooled CLIP [B, D'], got {[tuple(t.shape) if torch.is_tensor(t) else t for t in features]}")
+    return by_rank[3], by_rank[2]
 
 
 def load_diffusers_state_dict(model: FluxTransformer, state_dict: Mapping, strict: bool = True):

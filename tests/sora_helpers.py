@@ -1,0 +1,90 @@
+"""MindSpeed-MM's own `pretrain_sora.py` with FLUX: its arguments, model provider and forward step,
+in MindSpeed-MM's environment (tests/testbed.py). Shared by single-process and torchrun tests."""
+import json
+import os
+import runpy
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+from mm_grpo.models.flux import FluxConfig
+from tests.testbed import TESTBED
+
+PRETRAIN_SORA = os.path.join(TESTBED, "MindSpeed-MM", "pretrain_sora.py")
+# Megatron's fused kernels that need Apex / Transformer Engine; MindSpeed provides them on NPU.
+NO_FUSIONS = ("--no-rope-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion")
+
+
+def write_configs(folder, config: FluxConfig, weights: dict, predictor_extra=None, image_size=(64, 64)):
+    """model.json / data.json in MindSpeed-MM's schema for FLUX trained on precomputed features,
+    and the transformer's weights as one diffusers file; returns (model.json, data.json)."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "diffusion_pytorch_model.safetensors")
+    save_file({k: v.contiguous() for k, v in weights.items()}, path)
+    model = {
+        "load_video_features": True, "load_text_features": True, "task": "t2v",
+        "diffusion": {"model_id": "wan_flow_match_scheduler", "num_train_timesteps": 1000, "shift": 3.0,
+                      "sigma_min": 0.0, "extra_one_step": True},
+        "predictor": {"model_id": "flux", "dtype": "fp32", "from_pretrained": path,
+                      **config.to_diffusers_config(), **(predictor_extra or {})},
+    }
+    data = {"dataset_param": {"preprocess_parameters": {"max_height": image_size[0], "max_width": image_size[1]}}}
+    files = os.path.join(folder, "model.json"), os.path.join(folder, "data.json")
+    for file, content in zip(files, (model, data)):
+        with open(file, "w") as f:
+            json.dump(content, f)
+    return files
+
+
+def set_megatron_args(model_json, data_json, tp=1, pp=1, cp=1, micro_batch=2, extra=()):
+    """Megatron's global arguments as pretrain_sora.py's `pretrain` parses them (MindSpeed's and
+    MindSpeed-MM's argument patches included); the model-parallel groups are the caller's."""
+    from mindspeed_mm.configs.config import mm_extra_args_provider  # first: its import patches validate_args
+    from megatron.training import arguments
+    from megatron.training.global_vars import set_global_variables, unset_global_variables
+    argv = ["pretrain_sora.py", "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+            "--context-parallel-size", str(cp), "--context-parallel-algo", "ulysses_cp_algo",
+            "--micro-batch-size", str(micro_batch), "--global-batch-size", str(micro_batch), "--lr", "1e-5",
+            "--train-iters", "1", "--no-gradient-accumulation-fusion", "--use-cpu-initialization",
+            "--mm-model", model_json, "--mm-data", data_json, "--num-layers", "1", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
+            "--ckpt-format", "torch", *NO_FUSIONS, *extra]
+    saved, sys.argv = sys.argv, argv
+    try:
+        args = arguments.parse_args(mm_extra_args_provider)
+        arguments.validate_args(args, {"dataloader_type": "external", "vision_pretraining": False,
+                                    "curr_forward_iteration": 0})
+    finally:
+        sys.argv = saved
+    unset_global_variables()
+    set_global_variables(args, build_tokenizer=False)
+    return args
+
+
+def pretrain_sora():
+    """pretrain_sora.py's module namespace (model_provider, forward_step, ...), not run as main,
+    with mm-grpo's models registered as `python -m mm_grpo.run_mindspeed_mm pretrain_sora.py` does."""
+    import mm_grpo.run_mindspeed_mm  # noqa: F401
+    return runpy.run_path(PRETRAIN_SORA, run_name="pretrain_sora")
+
+
+def record_q_sample(model):
+    """Keep what SoRAModel's scheduler draws (noised latents, noise, timestep) in a list."""
+    drawn, q_sample = [], model.diffusion.q_sample
+
+    def recording(*args, **kwargs):
+        out = q_sample(*args, **kwargs)
+        drawn.append(out)
+        return out
+    model.diffusion.q_sample = recording
+    return drawn
+
+
+def feature_batch(config: FluxConfig, batch=2, latent=(8, 8), txt_len=7, seed=0):
+    """A batch of precomputed features as a MindSpeed-MM dataset yields them: VAE latents and
+    [T5 hidden states, pooled CLIP] text features."""
+    g = torch.Generator().manual_seed(seed)
+    return {"video": torch.randn(batch, config.in_channels // 4, *latent, generator=g),
+            "prompt_ids": [torch.randn(batch, txt_len, config.joint_attention_dim, generator=g),
+                           torch.randn(batch, config.pooled_projection_dim, generator=g)]}
