@@ -7,7 +7,7 @@ one shard. Sharding and file names are huggingface_hub's, as in diffusers' save_
 import json
 import os
 import struct
-from typing import Dict, Iterable, Tuple
+from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
@@ -57,17 +57,29 @@ class SafetensorsWriter:
 
 
 def write_diffusers_folder(folder: str, config: dict, metas: Dict[str, torch.Tensor],
-                           tensors: Iterable[Tuple[str, torch.Tensor]], max_shard_size="10GB"):
-    """Write `config` and the tensors named in `metas` (in any order) into an existing `folder`."""
-    split = split_torch_state_dict_into_shards(metas, filename_pattern=WEIGHTS_PATTERN,
-                                               max_shard_size=max_shard_size)
-    writers = {file: SafetensorsWriter(os.path.join(folder, file), {n: metas[n] for n in names})
-               for file, names in split.filename_to_tensors.items()}
+                           tensors: Iterable[Tuple[str, torch.Tensor]], max_shard_size="10GB",
+                           weight_map: Optional[Dict[str, str]] = None):
+    """Write `config` and the tensors named in `metas` (in any order) into an existing `folder`,
+    split by `max_shard_size`, or into the files `weight_map` (name -> file) names."""
+    if weight_map is None:
+        split = split_torch_state_dict_into_shards(metas, filename_pattern=WEIGHTS_PATTERN,
+                                                   max_shard_size=max_shard_size)
+        weight_map, sharded = split.tensor_to_filename, split.is_sharded
+    else:
+        if set(weight_map) != set(metas):
+            missing, extra = sorted(set(metas) - set(weight_map)), sorted(set(weight_map) - set(metas))
+            raise ValueError(f"the index to follow does not list the model's tensors: missing {missing[:5]}, "
+                             f"unknown {extra[:5]}")
+        sharded = True
+    files = {}
+    for name, file in weight_map.items():
+        files.setdefault(file, {})[name] = metas[name]
+    writers = {file: SafetensorsWriter(os.path.join(folder, file), names) for file, names in files.items()}
     for name, tensor in tensors:
-        writers[split.tensor_to_filename[name]].write(name, tensor)
+        writers[weight_map[name]].write(name, tensor)
     for writer in writers.values():
         writer.close()
-    if split.is_sharded:
-        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+    if sharded:
+        index = {"metadata": {"total_size": sum(m.nbytes for m in metas.values())}, "weight_map": weight_map}
         atomic_write_text(os.path.join(folder, INDEX_FILE), json.dumps(index, indent=2) + "\n")
     atomic_write_text(os.path.join(folder, "config.json"), json.dumps(config, indent=2) + "\n")

@@ -3,9 +3,13 @@
 References are independent of the converter: diffusers' FluxTransformer2DModel (its weights
 and forward), diffusers' own single-file converter, and plain `torch.load`.
 """
+import argparse
 import json
 import os
+import sys
 import types
+
+import numpy as np
 
 import pytest
 import torch
@@ -17,6 +21,8 @@ from converters.bfl import diffusers_to_bfl
 from converters.convert_cli import main
 from mm_grpo.checkpoint import (CheckpointMeta, CheckpointWriter, MegatronCheckpoint, ShardReader,
                                 ShardWriter, load_megatron_checkpoint, write_shard)
+from mm_grpo.checkpoint.paths import META_KEY
+from mm_grpo.checkpoint.shard_io import Opaque, tensor_leaves
 from mm_grpo.models.flux import FluxConfig, FluxTransformer
 from mm_grpo.parallel.pipeline_layout import stage_specs
 from tests.fixtures import parallel_1proc  # noqa: F401
@@ -95,21 +101,40 @@ def test_hf_mm_hf_round_trip_is_bit_exact_and_loads_in_diffusers(name, reference
         assert torch.equal(reference_output(loaded, inputs), reference_output(reference, inputs))
 
 
+def layout_of(root):
+    """mm-grpo's metadata as the first shard stores it."""
+    folder = root / "release" / sorted(os.listdir(root / "release"))[0]
+    return torch.load(folder / "model_optim_rng.pt", weights_only=True)[META_KEY]
+
+
 def test_layout_on_disk(mm_dirs):
     root = mm_dirs["tp2-vpp2x2"]
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "release"
-    assert sorted(os.listdir(root / "release")) == [
-        "model_layout.json", "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
-    meta = json.loads((root / "release" / "model_layout.json").read_text())
+    assert sorted(os.listdir(root / "release")) == [  # nothing but shard folders (MindSpeed-MM lists them)
+        "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    meta = layout_of(root)
     assert meta["parallel"] == {"tp_size": 2, "pp_size": 2, "vpp_size": 2, "pp_layers": [[1, 2], [2, 1]]}
     assert FluxConfig.from_diffusers_config(meta["config"]) == TINY
     stage0 = torch.load(root / "release" / "mp_rank_01_000" / "model_optim_rng.pt", weights_only=True)
-    assert sorted(stage0) == ["checkpoint_version", "model0", "model1"]
+    assert sorted(stage0) == ["checkpoint_version", META_KEY, "model0", "model1"]
+    assert stage0[META_KEY] == meta  # in every shard
     # chunk 1 of stage 0 holds global blocks 3-4 = single blocks 1-2, numbered locally from 0
     assert {n.split(".")[0] + "." + n.split(".")[1] for n in stage0["model1"]} == {"single_blocks.0", "single_blocks.1"}
     assert "x_embedder.weight" in stage0["model0"] and "final_layer.linear.weight" not in stage0["model0"]
     assert stage0["model0"]["double_blocks.0.img_attn.linear_qkv.weight"].shape == (3 * 64 // 2, 64)
-    assert sorted(os.listdir(mm_dirs["tp1-vpp2x1"] / "release")) == ["model_layout.json", "mp_rank_00"]
+    assert sorted(os.listdir(mm_dirs["tp1-vpp2x1"] / "release")) == ["mp_rank_00"]
+
+
+def test_pp_shards_alias_model0_to_model_without_storing_it_twice(mm_dirs, tmp_path):
+    """PP > 1 without virtual chunks: Megatron's --load reads `model`, MindSpeed-MM's load_from_mm
+    only `model<N>`; both keys name one dict, pickled once."""
+    shard = mm_dirs["tp2-pp2"] / "release" / "mp_rank_01_001" / "model_optim_rng.pt"
+    tree = torch.load(shard, weights_only=True)
+    assert sorted(tree) == ["checkpoint_version", META_KEY, "model", "model0"] and tree["model0"] is tree["model"]
+    torch.save({k: v for k, v in tree.items() if k != "model0"}, tmp_path / "without_alias.pt")
+    assert abs(os.path.getsize(shard) - os.path.getsize(tmp_path / "without_alias.pt")) < 1024
+    single = torch.load(mm_dirs["tp1"] / "release" / "mp_rank_00" / "model_optim_rng.pt", weights_only=True)
+    assert "model0" not in single  # PP = 1: Megatron and load_from_mm both read `model`
 
 
 def test_shard_names_are_the_models_own(parallel_1proc, mm_dirs):
@@ -142,14 +167,13 @@ def test_resplit_equals_direct_conversion(src, dst, mm_dirs, tmp_path):
     assert set(resplit) == set(direct)
     for key, tensor in direct.items():
         assert torch.equal(resplit[key], tensor), key
-    assert (json.loads((out / "release" / "model_layout.json").read_text())
-            == json.loads((mm_dirs[dst] / "release" / "model_layout.json").read_text()))
+    assert layout_of(out) == layout_of(mm_dirs[dst])
 
 
 def test_dtype_cast(reference, hf_dir, tmp_path):
     mm = convert("hf_to_mm", hf_dir, tmp_path / "mm", 2, [3, 3], "--cfg.dtype", "bf16")
     assert all(t.dtype == torch.bfloat16 for t in shard_tensors(mm).values())
-    assert json.loads((mm / "release" / "model_layout.json").read_text())["dtype"] == "bfloat16"
+    assert layout_of(mm)["dtype"] == "bfloat16"
     hf = convert("mm_to_hf", mm, tmp_path / "hf")  # keeps bf16
     got = load_file(hf / "diffusion_pytorch_model.safetensors")
     for key, tensor in reference.state_dict().items():
@@ -198,6 +222,25 @@ def test_single_file_with_a_preset(tmp_path):
     hf = convert("mm_to_hf", mm, tmp_path / "hf")
     got = FluxTransformer2DModel.from_pretrained(hf).state_dict()
     assert all(torch.equal(got[k], t) for k, t in ref.state_dict().items())
+
+
+# --- MindSpeed-MM's FLUX DanceGRPO checkpoints --------------------------------------------------
+def test_dancegrpo_checkpoint_converts(reference, hf_dir, tmp_path):
+    """MindSpeed-MM's DanceGRPO (mindspeed_mm/tasks/rl/soragrpo/sora_grpo_trainer.py save_checkpoint)
+    writes `checkpoint-<step>-<epoch>/`: save_file(transformer.state_dict()) as
+    diffusion_pytorch_model.safetensors and json.dump(dict(transformer.config)) without "dtype"."""
+    transformer = FluxTransformer2DModel.from_pretrained(str(hf_dir.parent), subfolder="transformer",
+                                                         torch_dtype=torch.float32)  # as flux_grpo_model.py loads it
+    save_dir = tmp_path / "save_dir" / "checkpoint-300-0"
+    save_dir.mkdir(parents=True)
+    save_file(transformer.state_dict(), save_dir / "diffusion_pytorch_model.safetensors")
+    config_dict = dict(transformer.config)
+    config_dict.pop("dtype", None)
+    (save_dir / "config.json").write_text(json.dumps(config_dict, indent=4))
+    mm = convert("hf_to_mm", save_dir, tmp_path / "mm", 2, [3, 3])
+    got = load_file(convert("mm_to_hf", mm, tmp_path / "hf") / "diffusion_pytorch_model.safetensors")
+    assert set(got) == set(reference.state_dict())
+    assert all(torch.equal(got[k], t) for k, t in reference.state_dict().items())
 
 
 # --- loading MM shards into a model at another TP / PP ---------------------------------------
@@ -284,6 +327,42 @@ def test_shard_writer_and_reader_against_plain_torch(tmp_path):
         assert torch.equal(reader.read(reader.get(key)), want)
     got = reader.load()
     assert torch.equal(got["b"], base[:, 2]) and got["b"].untyped_storage().data_ptr() == got["c"].data_ptr()
+    reader.close()
+
+
+def test_a_dict_under_two_keys_is_stored_once_and_read_back_as_one(tmp_path):
+    state = {"w": torch.randn(3, 4), "b": torch.randn(3)}
+    write_shard(str(tmp_path / "s.pt"), {"model": state, "model0": state, "checkpoint_version": 3.0})
+    plain = torch.load(tmp_path / "s.pt", weights_only=True)
+    assert plain["model0"] is plain["model"] and torch.equal(plain["model"]["w"], state["w"])
+    reader = ShardReader(str(tmp_path / "s.pt"))
+    assert [k for k, _ in tensor_leaves(reader.tree)] == [("model", "w"), ("model", "b")]
+    loaded = reader.load()
+    assert loaded["model0"] is loaded["model"] and torch.equal(loaded["model"]["b"], state["b"])
+    reader.close()
+
+
+def test_foreign_objects_in_a_shard_are_read_without_importing_their_classes(tmp_path, monkeypatch):
+    """Megatron saves `args` (with MindSpeed-MM's config objects, enums, numpy RNG states): read as
+    Opaque stand-ins holding the pickled state; the classes' module is never imported."""
+    (tmp_path / "foreign_config.py").write_text(
+        "import enum\n"
+        "class Mode(enum.Enum):\n    A = 1\n"
+        "class Config:\n    def __init__(self, **kw):\n        self.__dict__.update(kw)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import foreign_config
+    args = argparse.Namespace(mm=foreign_config.Config(predictor=foreign_config.Config(model_id="flux")),
+                              mode=foreign_config.Mode.A, tensor_model_parallel_size=2)
+    torch.save({"args": args, "model": {"w": torch.arange(4.0)}, "rng": [np.random.get_state()]}, tmp_path / "s.pt")
+    monkeypatch.delitem(sys.modules, "foreign_config")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(tmp_path)])
+    reader = ShardReader(str(tmp_path / "s.pt"))
+    got = reader.tree["args"]
+    assert isinstance(got, argparse.Namespace) and got.tensor_model_parallel_size == 2
+    assert isinstance(got.mm, Opaque) and type(got.mm).__module__ == "foreign_config"
+    assert got.mm.predictor.model_id == "flux" and isinstance(got.mode, Opaque)
+    assert torch.equal(reader.load("model", "w"), torch.arange(4.0))
+    assert "foreign_config" not in sys.modules
     reader.close()
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from converters import flux
 from converters.convert_cli import main
@@ -109,14 +109,14 @@ def test_bad_parallel_layout_is_refused(capsys, tmp_path, state_dict, args, patt
 def test_existing_target_is_refused_unless_overwrite(capsys, tmp_path, state_dict):
     src = diffusers_folder(tmp_path / "src", state_dict)
     assert hf_to_mm(capsys, src, tmp_path / "dst")[0] == 0
-    before = (tmp_path / "dst" / "release" / "model_layout.json").read_text()
+    shard = tmp_path / "dst" / "release" / "mp_rank_00" / "model_optim_rng.pt"
+    before = shard.read_bytes()
     code, _, err = hf_to_mm(capsys, src, tmp_path / "dst", "--cfg.target_parallel_config.tp_size", "2")
     assert code == 1 and "already exists: remove it or pass --cfg.overwrite true" in err
-    assert (tmp_path / "dst" / "release" / "model_layout.json").read_text() == before
+    assert shard.read_bytes() == before
     code, _, _ = hf_to_mm(capsys, src, tmp_path / "dst", "--cfg.target_parallel_config.tp_size", "2",
                           "--cfg.overwrite", "true")
-    assert code == 0 and sorted(os.listdir(tmp_path / "dst" / "release")) == [
-        "model_layout.json", "mp_rank_00", "mp_rank_01"]
+    assert code == 0 and sorted(os.listdir(tmp_path / "dst" / "release")) == ["mp_rank_00", "mp_rank_01"]
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("keep me")
@@ -181,9 +181,146 @@ def test_happy_path_pipeline_folder_to_bf16_virtual_stages(capsys, tmp_path, sta
                             "--cfg.target_parallel_config.pp_layers", "[[1,1],[2,2]]", "--cfg.dtype", "bf16")
     assert code == 0 and f"hf_to_mm: wrote {tmp_path / 'dst'}" in out
     shard = torch.load(tmp_path / "dst" / "release" / "mp_rank_01_001" / "model_optim_rng.pt", weights_only=True)
-    assert sorted(shard) == ["checkpoint_version", "model0", "model1"]
+    assert sorted(shard) == ["checkpoint_version", "mm_grpo_layout", "model0", "model1"]
     assert shard["model1"]["final_layer.linear.weight"].dtype == torch.bfloat16
     assert os.path.isdir(src)
+
+
+# --- MindSpeed-MM's habits: options, in-place conversion, --cfg.hf_dir ------------------------
+@pytest.mark.parametrize("sub,extra,pattern", [
+    ("hf_to_mm", ["--cfg.lora_path", "lora/"], r"--cfg\.lora_path lora/: FluxConverter converts whole FLUX weights"),
+    ("hf_to_mm", ["--cfg.target_parallel_config.ep_size", "2"], r"ep_size 2: FLUX has no experts"),
+    ("resplit", ["--cfg.target_parallel_config.ep_size", "4"], r"ep_size 4: FLUX has no experts"),
+    ("mm_to_hf", ["--cfg.lora_path", "x"], r"--cfg\.lora_path x: .*LoRA weights are not supported"),
+])
+def test_what_flux_cannot_do_is_refused_first(capsys, tmp_path, sub, extra, pattern):
+    code, _, err = run(capsys, "FluxConverter", sub, "--cfg.source_path", tmp_path / "nope",
+                       "--cfg.target_path", tmp_path / "dst", *extra)
+    assert_refused(code, err, pattern, tmp_path, tmp_path / "dst")  # before the missing source is noticed
+
+
+def test_in_place_hf_to_mm_adds_the_megatron_files_beside_the_diffusers_ones(capsys, tmp_path, state_dict):
+    """MindSpeed-MM's Wan README converts with target_path == source_path."""
+    src = diffusers_folder(tmp_path / "transformer", state_dict)
+    before = {n: (src / n).read_bytes() for n in os.listdir(src)}
+    code, _, _ = hf_to_mm(capsys, src, src, "--cfg.target_parallel_config.tp_size", "2")
+    assert code == 0
+    assert sorted(os.listdir(src)) == sorted([*before, "latest_checkpointed_iteration.txt", "release"])
+    assert all((src / n).read_bytes() == b for n, b in before.items())  # the diffusers files are untouched
+    assert sorted(os.listdir(src / "release")) == ["mp_rank_00", "mp_rank_01"]
+    code, _, err = hf_to_mm(capsys, src, src)
+    assert code == 1 and err.count("\n") == 1 and "already holds latest_checkpointed_iteration.txt and release" in err
+    assert hf_to_mm(capsys, src, src, "--cfg.overwrite", "true")[0] == 0  # TP 2 -> TP 1, in place
+    assert sorted(os.listdir(src / "release")) == ["mp_rank_00"]
+    assert sorted(os.listdir(src)) == sorted([*before, "latest_checkpointed_iteration.txt", "release"])
+    code, _, _ = run(capsys, "FluxConverter", "mm_to_hf", "--cfg.source_path", src, "--cfg.target_path", tmp_path / "hf")
+    assert code == 0
+    got = load_file(tmp_path / "hf" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(got[k], t) for k, t in state_dict.items())
+
+
+def test_in_place_failure_leaves_the_source_folder_as_it_was(capsys, tmp_path, state_dict, monkeypatch):
+    src = diffusers_folder(tmp_path / "transformer", state_dict)
+    before = sorted(os.listdir(src))
+    real_write = ShardWriter.write
+
+    def failing_write(self, key, tensor):
+        if key[-1].startswith("single_blocks.1."):
+            raise OSError("disk full (simulated)")
+        real_write(self, key, tensor)
+
+    monkeypatch.setattr(ShardWriter, "write", failing_write)
+    code, _, err = hf_to_mm(capsys, src, src)
+    assert code == 1 and "disk full (simulated)" in err and sorted(os.listdir(src)) == before
+
+
+@pytest.mark.parametrize("sub,reason", [
+    ("mm_to_hf", "mm_to_hf writes a diffusers folder of its own"),
+    ("resplit", "the new layout would replace the folder holding the shards being read"),
+])
+def test_in_place_mm_to_hf_and_resplit_are_refused_with_the_reason(capsys, tmp_path, state_dict, sub, reason):
+    src = diffusers_folder(tmp_path / "src", state_dict)
+    assert hf_to_mm(capsys, src, tmp_path / "mm")[0] == 0
+    listing = sorted(os.listdir(tmp_path / "mm"))
+    code, _, err = run(capsys, "FluxConverter", sub, "--cfg.source_path", tmp_path / "mm",
+                       "--cfg.target_path", tmp_path / "mm" / ".")
+    assert code == 1 and err.count("\n") == 1 and f"is the source: {reason}" in err
+    assert sorted(os.listdir(tmp_path / "mm")) == listing
+
+
+def test_in_place_into_a_single_file_is_refused(capsys, tmp_path, state_dict):
+    from converters.bfl import diffusers_to_bfl
+    save_file(diffusers_to_bfl(state_dict, TINY), tmp_path / "flux.safetensors")
+    code, _, err = hf_to_mm(capsys, tmp_path / "flux.safetensors", tmp_path / "flux.safetensors", "--cfg.preset", "tiny")
+    assert code == 1 and "is the source file: give a folder to create" in err
+
+
+@pytest.fixture()
+def original(tmp_path):
+    """A diffusers folder as published: sharded with an index, config.json with diffusers' own fields."""
+    ref = random_reference(TINY, seed=4)
+    ref.save_pretrained(tmp_path / "original", max_shard_size="60KB")
+    return ref, tmp_path / "original"
+
+
+def test_mm_to_hf_with_hf_dir_keeps_its_config_and_file_split(capsys, tmp_path, original):
+    ref, folder = original
+    assert hf_to_mm(capsys, folder, tmp_path / "mm", "--cfg.target_parallel_config.pp_layers", "[4,2]")[0] == 0
+    code, _, _ = run(capsys, "FluxConverter", "mm_to_hf", "--cfg.source_path", tmp_path / "mm",
+                     "--cfg.target_path", tmp_path / "hf", "--cfg.hf_dir", folder)
+    assert code == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads((folder / "config.json").read_text())
+    index = "diffusion_pytorch_model.safetensors.index.json"
+    theirs, ours = (json.loads((f / index).read_text())["weight_map"] for f in (folder, tmp_path / "hf"))
+    assert ours == theirs and len(set(ours.values())) > 1
+    assert sorted(os.listdir(tmp_path / "hf")) == sorted(os.listdir(folder))
+    from diffusers import FluxTransformer2DModel
+    got = FluxTransformer2DModel.from_pretrained(tmp_path / "hf").state_dict()
+    assert all(torch.equal(got[k], t) for k, t in ref.state_dict().items())
+
+
+def test_mm_to_hf_hf_dir_must_describe_the_checkpoint(capsys, tmp_path, original, state_dict):
+    _, folder = original
+    assert hf_to_mm(capsys, diffusers_folder(tmp_path / "src", state_dict), tmp_path / "mm")[0] == 0
+    other = diffusers_folder(tmp_path / "schnell", {}, TINY.replace(guidance_embeds=False))
+    code, _, err = run(capsys, "FluxConverter", "mm_to_hf", "--cfg.source_path", tmp_path / "mm",
+                       "--cfg.target_path", tmp_path / "hf", "--cfg.hf_dir", other)
+    assert_refused(code, err, r"another FLUX architecture than .*schnell's config\.json: guidance_embeds True "
+                              r"\(hf_dir: False\)", tmp_path, tmp_path / "hf")
+    code, _, err = run(capsys, "FluxConverter", "mm_to_hf", "--cfg.source_path", tmp_path / "mm",
+                       "--cfg.target_path", tmp_path / "hf", "--cfg.hf_dir", folder, "--cfg.max_shard_size", "1GB")
+    assert_refused(code, err, r"--cfg\.max_shard_size 1GB and --cfg\.hf_dir .*whose index fixes the file split",
+                   tmp_path, tmp_path / "hf")
+
+
+# --- one mm-convert ---------------------------------------------------------------------------
+def cli_process(*args, pythonpath=""):
+    """`python -m converters.convert_cli ARGS` in a fresh process (the console script's code)."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join(filter(None, [REPO, pythonpath])))
+    return subprocess.run([sys.executable, "-m", "converters.convert_cli", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, env=env)
+
+
+def test_without_mindspeed_mm_flux_converter_alone():
+    proc = cli_process("--help")
+    assert proc.returncode == 0 and "FluxConverter" in proc.stdout
+    assert "WanConverter" not in proc.stdout and "MindSpeed-MM" not in proc.stderr
+
+
+def test_a_broken_mindspeed_mm_is_reported_and_flux_converter_still_runs(tmp_path, state_dict):
+    """A `checkpoint` package that fails inside (a dependency missing) is not silently dropped."""
+    (tmp_path / "checkpoint" / "common").mkdir(parents=True)
+    (tmp_path / "checkpoint" / "__init__.py").write_text("")
+    (tmp_path / "checkpoint" / "common" / "__init__.py").write_text("")
+    (tmp_path / "checkpoint" / "common" / "converter.py").write_text("import pydantic_missing_here\n")
+    src = diffusers_folder(tmp_path / "src", state_dict)
+    proc = cli_process("FluxConverter", "hf_to_mm", "--cfg.source_path", src, "--cfg.target_path", tmp_path / "mm",
+                       pythonpath=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    warning = [line for line in proc.stderr.splitlines() if "MindSpeed-MM" in line]
+    assert warning == ["mm-convert: MindSpeed-MM's converters did not import (ModuleNotFoundError: No module named "
+                       "'pydantic_missing_here'): FluxConverter only"]
+    assert (tmp_path / "mm" / "release" / "mp_rank_00" / "model_optim_rng.pt").is_file()
 
 
 # --- help ----------------------------------------------------------------------------------
@@ -220,13 +357,15 @@ EXPLAINED = {
     "--cfg.target_parallel_config.tp_size": "must divide the number of attention heads",
     "--cfg.target_parallel_config.pp_layers": "nested list [[..],[..]] gives virtual pipeline chunks",
     "--cfg.hf_dir": "whose config.json describes the model", "--cfg.preset": "Built-in model config",
+    "--cfg.target_parallel_config.ep_size": "FLUX has no experts", "--cfg.lora_path": "whole weights only",
     "--cfg.dtype": "keep the source dtype", "--cfg.overwrite": "Replace target_path",
     "--cfg.iteration": "latest_checkpointed_iteration.txt names", "--cfg.max_shard_size": "Largest safetensors file",
 }
 EXPLAINED_BY_SUBCOMMAND = {
     "hf_to_mm": EXPLAINED,
     "mm_to_hf": {**EXPLAINED, "--cfg.source_path": "Megatron checkpoint folder",
-                 "--cfg.target_path": "FluxTransformer2DModel.from_pretrained loads"},
+                 "--cfg.target_path": "FluxTransformer2DModel.from_pretrained loads",
+                 "--cfg.hf_dir": "as MindSpeed-MM's converters take it"},
     "resplit": {**EXPLAINED, "--cfg.source_path": "Megatron checkpoint folder", "--cfg.target_path": "new layout"},
 }
 

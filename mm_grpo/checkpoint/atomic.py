@@ -38,3 +38,27 @@ def atomic_dir(target: str, overwrite: bool = False):
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     replace_dir(tmp, target)
+
+
+@contextlib.contextmanager
+def atomic_entries(target: str, overwrite: bool = False, last=()):
+    """Yields a temporary folder inside the existing folder `target`; on success every entry built
+    there moves into `target` (the names in `last` after the others, so a marker file appears
+    only once the rest is in place), replacing an entry of the same name only with `overwrite`;
+    on error the temporary folder is removed and `target` is as it was."""
+    target = os.path.abspath(target)
+    tmp = tempfile.mkdtemp(prefix=".entries.tmp-", dir=target)
+    try:
+        yield tmp
+        names = sorted(os.listdir(tmp), key=lambda n: n in last)
+        clashes = [n for n in names if os.path.lexists(os.path.join(target, n))]
+        if clashes and not overwrite:
+            raise FileExistsError(f"{target} already holds {', '.join(clashes)}: remove them or choose another "
+                                  "output folder")
+        for name in names:
+            if os.path.isdir(os.path.join(tmp, name)):
+                replace_dir(os.path.join(tmp, name), os.path.join(target, name))
+            else:
+                os.replace(os.path.join(tmp, name), os.path.join(target, name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -28,7 +28,9 @@ def load_megatron_checkpoint(model, path: str, iteration=None) -> CheckpointMeta
     from the checkpoint at `path` (a root with `latest_checkpointed_iteration.txt`, or one
     iteration folder), whatever TP / PP it was saved with. Returns the checkpoint's metadata."""
     chunks = [_unwrap(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
-    ckpt = MegatronCheckpoint(path, iteration)
+    # A checkpoint without mm-grpo's metadata (saved by Megatron / MindSpeed-MM) takes what its
+    # weights cannot tell (RoPE) from the model; the architecture is still checked below.
+    ckpt = MegatronCheckpoint(path, iteration, config=chunks[0].flux_config)
     tp_rank, tp_size = _tp_rank_and_size()
     try:
         with torch.no_grad():

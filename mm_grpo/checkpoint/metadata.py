@@ -1,16 +1,15 @@
-"""The small JSON beside the shards: model config and parallel layout.
+"""mm-grpo's metadata of a checkpoint: model config and parallel layout.
 
 With it a reader needs nothing else: which shard files exist, which blocks each model
 chunk holds (and so every tensor's local name), and how each tensor is cut across TP
-ranks (from the model's layout rules).
+ranks (from the model's layout rules). Its JSON form is stored in every shard file under
+`paths.META_KEY`; a checkpoint written by Megatron or MindSpeed-MM has none, and then the
+layout is inferred from the shards (`mm_grpo.checkpoint.infer`).
 """
 import dataclasses
-import json
-import os
 from typing import Iterator, List, Optional, Tuple
 
-from mm_grpo.checkpoint.atomic import atomic_write_text
-from mm_grpo.checkpoint.paths import META_FILE, model_key, shard_name
+from mm_grpo.checkpoint.paths import model_key, shard_name
 from mm_grpo.models.flux import layout
 from mm_grpo.models.flux.config import FluxConfig
 from mm_grpo.models.flux.model import check_parallel_sizes
@@ -80,14 +79,9 @@ class CheckpointMeta:
         return cls(FluxConfig.from_diffusers_config(data["config"]), parallel["tp_size"],
                    parallel["pp_layers"], data.get("dtype"), data["model"])
 
-    def save(self, folder: str):
-        atomic_write_text(os.path.join(folder, META_FILE), json.dumps(self.to_json(), indent=2) + "\n")
-
     @classmethod
-    def load(cls, folder: str) -> "CheckpointMeta":
-        path = os.path.join(folder, META_FILE)
-        try:
-            with open(path) as f:
-                return cls.from_json(json.load(f))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"cannot read checkpoint metadata {path}: {type(e).__name__}: {e}") from None
+    def load(cls, folder: str, config: Optional[FluxConfig] = None) -> "CheckpointMeta":
+        """The metadata of one iteration folder: what its shards store, else inferred from them
+        (`config` supplies what the weights cannot tell, see `infer.read_meta`)."""
+        from mm_grpo.checkpoint.infer import read_meta
+        return read_meta(folder, config)

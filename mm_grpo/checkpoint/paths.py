@@ -1,20 +1,26 @@
 """Names in Megatron's on-disk checkpoint layout (`--ckpt-format torch`).
 
     <root>/latest_checkpointed_iteration.txt     "release" or the iteration number
-    <root>/release/ or <root>/iter_0000100/      one folder per saved iteration
-        model_layout.json                        model config + parallel layout (ours)
+    <root>/release/ or <root>/iter_0000100/      one folder per saved iteration, holding nothing
+                                                 but shard folders (MindSpeed-MM's `load_from_mm`
+                                                 opens every entry as one)
         mp_rank_00/model_optim_rng.pt            PP = 1: one folder per TP rank
         mp_rank_00_000/model_optim_rng.pt        PP > 1: per TP rank and PP rank
+
+mm-grpo's own metadata (model config + parallel layout) rides inside every shard file under
+META_KEY, beside Megatron's `args`; both Megatron's `--load` and `load_from_mm` ignore it.
 """
 import os
+import re
 
 from mm_grpo.checkpoint.atomic import atomic_write_text
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 SHARD_FILE = "model_optim_rng.pt"
-META_FILE = "model_layout.json"
+META_KEY = "mm_grpo_layout"
 RELEASE = "release"
 CHECKPOINT_VERSION = 3.0  # what Megatron-LM writes into every shard
+SHARD_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
 
 
 def iteration_name(iteration=RELEASE) -> str:
@@ -34,6 +40,22 @@ def model_key(vchunk: int, vpp_size: int) -> str:
     return "model" if vpp_size == 1 else f"model{vchunk}"
 
 
+def shard_folders(folder: str) -> dict:
+    """{(tp_rank, pp_rank): shard folder name} of the shards present in an iteration folder
+    (folders named mp_rank_XX or mp_rank_XX_YYY that hold model_optim_rng.pt)."""
+    found, kinds = {}, set()
+    entries = os.listdir(folder) if os.path.isdir(folder) else []
+    for name in entries:
+        match = SHARD_DIR.fullmatch(name)
+        if match and os.path.isfile(os.path.join(folder, name, SHARD_FILE)):
+            found[(int(match[1]), int(match[2] or 0))] = name
+            kinds.add(match[2] is None)
+    if len(kinds) > 1:
+        raise ValueError(f"{folder} mixes shard folders with and without a pipeline rank (mp_rank_XX and "
+                         "mp_rank_XX_YYY): two checkpoints in one folder?")
+    return found
+
+
 def read_tracker(root: str) -> str:
     """The iteration folder name that `latest_checkpointed_iteration.txt` points at."""
     path = os.path.join(root, TRACKER_FILE)
@@ -51,15 +73,15 @@ def write_tracker(root: str, iteration=RELEASE):
 
 
 def is_megatron_checkpoint(path: str) -> bool:
-    """A checkpoint root (has the tracker file) or one iteration folder of it (has the layout JSON)."""
-    return os.path.isfile(os.path.join(path, TRACKER_FILE)) or os.path.isfile(os.path.join(path, META_FILE))
+    """A checkpoint root (has the tracker file) or one iteration folder of it (has shard folders)."""
+    return os.path.isfile(os.path.join(path, TRACKER_FILE)) or bool(shard_folders(path))
 
 
 def iteration_dir(path: str, iteration=None) -> str:
     """The iteration folder to read: `path` itself if it is one, else `iteration` or the tracker's."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"no such Megatron checkpoint: {path}")
-    if os.path.isfile(os.path.join(path, META_FILE)):
+    if not os.path.isfile(os.path.join(path, TRACKER_FILE)) and shard_folders(path):
         return path
     if iteration is not None:
         folder = os.path.join(path, iteration_name(iteration))
@@ -67,6 +89,6 @@ def iteration_dir(path: str, iteration=None) -> str:
         folder = os.path.join(path, read_tracker(path))
     else:
         raise FileNotFoundError(f"{path} is not a Megatron checkpoint: it has no {TRACKER_FILE}")
-    if not os.path.isfile(os.path.join(folder, META_FILE)):
-        raise FileNotFoundError(f"{folder} has no {META_FILE}: not a checkpoint written by mm-grpo, or incomplete")
+    if not shard_folders(folder):
+        raise FileNotFoundError(f"{folder} holds no mp_rank_*/{SHARD_FILE}: not a Megatron checkpoint, or incomplete")
     return folder

@@ -1,15 +1,15 @@
 """Read a Megatron-layout FLUX checkpoint lazily: any weight, whole or as any TP rank's shard."""
 import os
+from typing import Optional
 
 import torch
 
-from mm_grpo.checkpoint.metadata import CheckpointMeta
-from mm_grpo.checkpoint.paths import SHARD_FILE, iteration_dir
+from mm_grpo.checkpoint.infer import CHUNK_KEY, EXTRA_STATE, read_meta
+from mm_grpo.checkpoint.paths import META_KEY, SHARD_FILE, iteration_dir, shard_folders
 from mm_grpo.checkpoint.shard_io import ShardReader
 from mm_grpo.models.flux import layout
+from mm_grpo.models.flux.config import FluxConfig
 from mm_grpo.models.flux.hf_weights import expected_hf_shapes
-
-EXTRA_STATE = "._extra_state"  # Megatron's non-TE linears save None here; not a weight
 
 
 def expected_full_shapes(config) -> dict:
@@ -21,24 +21,29 @@ def expected_full_shapes(config) -> dict:
 
 class MegatronCheckpoint:
     """Weights are looked up by their layout rule's diffusers names (global, unlike the local
-    Megatron names), so a rule from any stage of any target layout finds its source."""
+    Megatron names), so a rule from any stage of any target layout finds its source.
 
-    def __init__(self, path: str, iteration=None):
+    `config` supplies what a checkpoint without mm-grpo's metadata cannot tell (written by
+    Megatron or MindSpeed-MM: see `mm_grpo.checkpoint.infer`); with metadata it is unused."""
+
+    def __init__(self, path: str, iteration=None, config: Optional[FluxConfig] = None):
         self.path = iteration_dir(path, iteration)
-        self.meta = CheckpointMeta.load(self.path)
+        self._folders = shard_folders(self.path)
+        self._readers = {}
+        try:
+            self.meta = read_meta(self.path, config, self.shard)
+        except BaseException:
+            self.close()
+            raise
         self.config = self.meta.config
         self._where = {}  # rule.hf -> (pp_rank, model key, source rule)
         for spec, key in self.meta.stages():
             for rule in self.meta.rules(spec):
                 self._where[rule.hf] = (spec.pp_rank, key, rule)
-        self._readers = {}
 
     def shard(self, tp_rank: int, pp_rank: int) -> ShardReader:
         if (tp_rank, pp_rank) not in self._readers:
-            path = os.path.join(self.path, self.meta.shard_name(tp_rank, pp_rank), SHARD_FILE)
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"checkpoint shard {path} is missing (layout: TP {self.meta.tp_size}, "
-                                        f"pp_layers {self.meta.pp_layers})")
+            path = os.path.join(self.path, self._folders[(tp_rank, pp_rank)], SHARD_FILE)
             self._readers[(tp_rank, pp_rank)] = ShardReader(path)
         return self._readers[(tp_rank, pp_rank)]
 
@@ -75,10 +80,11 @@ class MegatronCheckpoint:
         return layout.shard(rule, self.full(rule), tp_rank, tp_size, self.config)
 
     def extras(self, tp_rank: int, pp_rank: int) -> dict:
-        """A shard's entries other than the model chunks (optimizer, rng states...), read."""
+        """A shard's entries other than the model chunks and mm-grpo's metadata (optimizer,
+        rng states, iteration...), read."""
         shard = self.shard(tp_rank, pp_rank)
-        model_keys = {key for _, key in self.meta.stages()}
-        return {k: shard.load(k) for k in shard.tree if k not in model_keys}
+        return {k: shard.load(k) for k in shard.tree
+                if k != META_KEY and not (isinstance(k, str) and CHUNK_KEY.fullmatch(k))}
 
     def check(self):
         """Every shard holds exactly its stage's weights, at the shapes the layout gives."""

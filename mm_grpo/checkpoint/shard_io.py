@@ -10,9 +10,14 @@ reads it (zip CRCs of the data records are not filled in; torch does not check t
 
 A tree is any nesting of dicts, lists and tuples whose leaves are tensors or plain
 values; tensors are addressed by their key path, e.g. ("model", "x_embedder.weight").
-Loading uses `weights_only=True`: extras must be tensors, numbers, strings, None, lists,
-tuples and dicts.
+A container that appears twice in a tree (one dict under two keys) is pickled once and
+stays one object when loaded; its tensors are addressed by the first key path that reaches
+them. Loading uses `weights_only=True`: our extras must be tensors, numbers, strings, None,
+lists, tuples and dicts. Shards written by others (Megatron's `args`, MindSpeed-MM's config
+objects, numpy RNG states) are read without importing or running their classes: each
+pickled class becomes an `Opaque` stand-in holding the pickled state.
 """
+import argparse
 import os
 from typing import Iterator, Tuple
 
@@ -22,27 +27,35 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 KeyPath = Tuple
 
 
-def tensor_leaves(tree, path=()) -> Iterator[Tuple[KeyPath, torch.Tensor]]:
-    """(key path, tensor) for every tensor in `tree`, depth first."""
+def tensor_leaves(tree, path=(), _seen=None) -> Iterator[Tuple[KeyPath, torch.Tensor]]:
+    """(key path, tensor) for every tensor in `tree`, depth first; a container reached twice is
+    walked once."""
+    seen = set() if _seen is None else _seen
     if isinstance(tree, torch.Tensor):
         yield path, tree
-    elif isinstance(tree, dict):
-        for key, value in tree.items():
-            yield from tensor_leaves(value, path + (key,))
-    elif isinstance(tree, (list, tuple)):
-        for i, value in enumerate(tree):
-            yield from tensor_leaves(value, path + (i,))
+        return
+    if not isinstance(tree, (dict, list, tuple)) or id(tree) in seen:
+        return
+    seen.add(id(tree))
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+    for key, value in items:
+        yield from tensor_leaves(value, path + (key,), seen)
 
 
-def map_tensors(tree, fn):
-    """`tree` with every tensor replaced by fn(tensor) (containers rebuilt, same types)."""
+def map_tensors(tree, fn, _memo=None):
+    """`tree` with every tensor replaced by fn(tensor) (containers rebuilt, same types; a
+    container reached twice becomes one rebuilt container)."""
+    memo = {} if _memo is None else _memo
     if isinstance(tree, torch.Tensor):
         return fn(tree)
-    if isinstance(tree, dict):
-        return type(tree)((k, map_tensors(v, fn)) for k, v in tree.items())
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(map_tensors(v, fn) for v in tree)
-    return tree
+    if not isinstance(tree, (dict, list, tuple)):
+        return tree
+    if id(tree) not in memo:
+        if isinstance(tree, dict):
+            memo[id(tree)] = type(tree)((k, map_tensors(v, fn, memo)) for k, v in tree.items())
+        else:
+            memo[id(tree)] = type(tree)(map_tensors(v, fn, memo) for v in tree)
+    return memo[id(tree)]
 
 
 def _at(tree, path: KeyPath):
@@ -51,9 +64,40 @@ def _at(tree, path: KeyPath):
     return tree
 
 
+class Opaque:
+    """An object of a class that a shard names but this process does not import: the pickled
+    constructor arguments (`_args`) and state (attributes, or `_state`), nothing executed."""
+
+    def __init__(self, *args, **kwargs):
+        self._args = args
+
+    def __setstate__(self, state):
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self._state = state
+
+
+def _stand_in(qualified_name: str):
+    if qualified_name == "argparse.Namespace":  # Megatron's `args`: a plain attribute bag
+        return argparse.Namespace
+    module, _, name = qualified_name.rpartition(".")
+    return type(name, (Opaque,), {"__module__": module, "__qualname__": name})
+
+
 def _load_meta(path: str):
     try:
-        return torch.load(path, map_location="meta", weights_only=True)
+        foreign = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        with torch.serialization.safe_globals([(_stand_in(n), n) for n in foreign]):
+            tree = torch.load(path, map_location="meta", weights_only=True)
+            if any(getattr(t.untyped_storage(), "_checkpoint_offset", None) is None for _, t in tensor_leaves(tree)):
+                # torch 2.7 records the byte offsets only when loading under FakeTensorMode (whose
+                # storages report wrong sizes there): take the offsets from such a second load.
+                with FakeTensorMode():
+                    fake = torch.load(path, map_location="meta", weights_only=True)
+                for (_, t), (_, f) in zip(tensor_leaves(tree), tensor_leaves(fake)):
+                    t.untyped_storage()._checkpoint_offset = f.untyped_storage()._checkpoint_offset
+        return tree
     except Exception as e:  # zip errors on a truncated file, unpickling errors on a foreign one
         raise ValueError(f"cannot read checkpoint shard {path} (truncated, or not a torch.save file?): "
                          f"{type(e).__name__}: {e}") from None

@@ -4,7 +4,7 @@ import shutil
 
 from mm_grpo.checkpoint.atomic import replace_dir
 from mm_grpo.checkpoint.metadata import CheckpointMeta
-from mm_grpo.checkpoint.paths import CHECKPOINT_VERSION, RELEASE, SHARD_FILE, iteration_name, write_tracker
+from mm_grpo.checkpoint.paths import CHECKPOINT_VERSION, META_KEY, RELEASE, SHARD_FILE, iteration_name, write_tracker
 from mm_grpo.checkpoint.shard_io import ShardWriter, write_shard
 
 
@@ -20,13 +20,16 @@ def clear_stale(root: str, iteration=RELEASE):
 
 
 class CheckpointWriter:
-    """Shards go to `<root>/.<iter>.tmp/`; `commit()` adds the layout JSON, renames the folder to
-    `<root>/<iter>/` and points `latest_checkpointed_iteration.txt` at it.
+    """Shards go to `<root>/.<iter>.tmp/`; `commit()` renames the folder to `<root>/<iter>/` and
+    points `latest_checkpointed_iteration.txt` at it.
 
     Each shard tree holds `model` (or `model0`, `model1`, ... per virtual chunk) plus any
-    extra entries (optimizer, scheduler, rng states...); `checkpoint_version` and, for a
-    numbered iteration, `iteration` are added. The temporary name is fixed, so every rank
-    of a job can write its own shards into it; one rank commits after a barrier.
+    extra entries (optimizer, scheduler, rng states...); `checkpoint_version`, mm-grpo's
+    metadata (`META_KEY`) and, for a numbered iteration, `iteration` are added. In a PP > 1
+    shard without virtual chunks `model0` names the `model` dict too: MindSpeed-MM's
+    `load_from_mm` reads only `model<N>` entries from PP shards, Megatron's `--load` reads
+    `model`, and one object under two keys is stored once. The temporary name is fixed, so
+    every rank of a job can write its own shards into it; one rank commits after a barrier.
     """
 
     def __init__(self, root: str, meta: CheckpointMeta, iteration=RELEASE):
@@ -39,9 +42,11 @@ class CheckpointWriter:
         return os.path.join(self.tmp, self.meta.shard_name(tp_rank, pp_rank), SHARD_FILE)
 
     def _full_tree(self, tree: dict) -> dict:
-        header = {"checkpoint_version": CHECKPOINT_VERSION}
+        header = {"checkpoint_version": CHECKPOINT_VERSION, META_KEY: self.meta.to_json()}
         if self.iteration != RELEASE:
             header["iteration"] = self.iteration
+        if self.meta.pp_size > 1 and self.meta.vpp_size == 1:
+            header["model0"] = tree["model"]  # an alias for MindSpeed-MM (class docstring)
         return {**tree, **header}
 
     def open_shard(self, tp_rank: int, pp_rank: int, tree: dict) -> ShardWriter:
@@ -52,7 +57,6 @@ class CheckpointWriter:
         write_shard(self.shard_path(tp_rank, pp_rank), self._full_tree(tree))
 
     def commit(self) -> str:
-        self.meta.save(self.tmp)
         final = os.path.join(self.root, self.name)
         replace_dir(self.tmp, final)
         write_tracker(self.root, self.iteration)
