@@ -78,10 +78,10 @@ class MMGRPORunner:
                 return out
 
         self.preset = preset
-        self.schedule = build_mm_grpo(preset, paths, device, schedule_cls=Recording)
+        self.schedule, self.step = build_mm_grpo(preset, paths, device, schedule_cls=Recording)
 
     def iteration(self, it):
-        stats = self.schedule.iteration(it, iteration_prompts(self.preset, it))
+        stats = self.step(it, iteration_prompts(self.preset, it))
         return dict(time_rollout=stats["time_rollout"], time_reward=stats["time_reward"],
                     time_train=stats["time_train"], log_probs=self.schedule.last_log_probs,
                     rewards=self.schedule.last_rewards, grad_norms=[stats["grad_norm"]])

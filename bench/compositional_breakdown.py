@@ -36,7 +36,7 @@ def main(argv=None):
             "--eval-prompts", str(len(read_prompts(a.prompts))), "--no-load-optim", "--no-load-rng"]
     argv += ["--load", a.load] if a.load else []
     run = GRPORun(parse_args(argv + [x for x in a.trainer_args if x != "--"]))
-    result = run.evaluator(run.schedule.policy_modules)
+    result = run.evaluator(run.model.modules)
     print(f"[breakdown] {a.load or os.environ['PIPELINE_DIR']}: {len(result.prompts)} images of {a.prompts}")
     for name, (rate, n) in breakdown(result.images, result.prompts).items():
         print(f"  {name:32s} {rate:.3f}  (of {n})")

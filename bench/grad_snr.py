@@ -92,10 +92,10 @@ def main(argv=None):
         updates, stats = s.prepare(i, prompts)
         if updates is None:
             raise ValueError(f"batch {i} was skipped: {stats.get('skip_reason')}")
-        for chunk in s.policy:
+        for chunk in run.model.chunks:
             chunk.zero_grad_buffer()
-        forward_backward(s.policy, updates[0], s.loss_fn)
-        grads.append(torch.cat([p.main_grad.flatten().float() for c in s.policy for p in c.parameters()
+        forward_backward(run.model.chunks, updates[0], s.loss_fn)
+        grads.append(torch.cat([p.main_grad.flatten().float() for c in run.model.chunks for p in c.parameters()
                                 if p.requires_grad]))
         rewards.append(stats["reward/mean"])
     out = report(torch.stack(grads), s.s.global_batch_size)

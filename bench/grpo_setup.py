@@ -120,13 +120,16 @@ def optimizer_args(lr: float, iterations: int = 10_000):
 
 
 def build_mm_grpo(preset: Preset, paths: dict, device, schedule_cls=None, **setting_overrides):
-    """mm-grpo's GRPO schedule for one process, built as the trainer builds it."""
+    """mm-grpo's GRPO schedule for one process, built as the trainer builds it, and its iteration
+    `step(iteration, prompts) -> stats` (the trainer's `grpo_iteration`)."""
+    import functools
     from mm_grpo.grpo.schedule import GRPOSchedule
     from mm_grpo.models.flux import FluxConfig
     from mm_grpo.models.registry import load_pretrained
     from mm_grpo.parallel import ParallelConfig, initialize_parallel
     from mm_grpo.parallel.pipeline import build_model_chunks
     from mm_grpo.training.optim import build_optimizer, build_scheduler, wrap_ddp
+    from mm_grpo.training.train_grpo import grpo_iteration
     initialize_parallel(ParallelConfig(), seed=1234)
     config = FluxConfig.from_diffusers_config(paths["transformer"], bf16=preset.bf16, recompute_blocks=preset.recompute,
                                              compile_blocks=preset.compile)
@@ -135,9 +138,10 @@ def build_mm_grpo(preset: Preset, paths: dict, device, schedule_cls=None, **sett
     policy = wrap_ddp(chunks)
     optimizer = build_optimizer(policy, optimizer_args(preset.lr))
     conditioner, decoder, reward = components(preset, paths, device)
-    return (schedule_cls or GRPOSchedule)(
-        preset.settings(**setting_overrides), policy, optimizer, build_scheduler(optimizer, optimizer_args(preset.lr)),
-        conditioner=conditioner, decoder=decoder, reward=reward, device=device)
+    schedule = (schedule_cls or GRPOSchedule)(preset.settings(**setting_overrides), chunks, conditioner=conditioner,
+                                              decoder=decoder, reward=reward, device=device)
+    scheduler = build_scheduler(optimizer, optimizer_args(preset.lr))
+    return schedule, functools.partial(grpo_iteration, schedule, policy, optimizer, scheduler)
 
 
 def default_workdir() -> Path:

@@ -47,21 +47,21 @@ def evaluate(schedule, samples_per_prompt=2):
     # the same evaluation noise for every run, a different one for every sample (not per group)
     fixed = dataclasses.replace(schedule.s, seed=0, init_same_noise=False)
     x0, _ = draw_noise(fixed, 0, range(len(prompts)), schedule.grid[0] * schedule.grid[1],
-                       schedule.policy_modules[0].flux_config.in_channels)
+                       schedule.policy[0].flux_config.in_channels)
     x0 = x0.to(schedule.device)
-    traj = rollout(make_velocity_fn(schedule.policy_modules, cond, len(prompts)), x0, schedule.sigmas, "ode")
+    traj = rollout(make_velocity_fn(schedule.policy, cond, len(prompts)), x0, schedule.sigmas, "ode")
     _, total, _ = schedule.score(traj.x0_hat, prompts)
     return total.mean().item()
 
 
 def run(preset, paths, mode, seed, iters, eval_every, window_size=2):
-    schedule = build_mm_grpo(preset, paths, torch.device("cpu"), seed=seed, window_size=window_size,
+    schedule, step = build_mm_grpo(preset, paths, torch.device("cpu"), seed=seed, window_size=window_size,
                              init_same_noise=True, **MODES[mode])
     curve = [dict(iteration=0, wall=0.0, eval=evaluate(schedule))]
     wall = 0.0
     for it in range(iters):
         start = time.perf_counter()
-        stats = schedule.iteration(it, iteration_prompts(preset, it))
+        stats = step(it, iteration_prompts(preset, it))
         seconds = time.perf_counter() - start
         wall += seconds
         point = dict(iteration=it + 1, wall=wall, seconds=seconds, train=stats["reward/mean"])

@@ -7,6 +7,7 @@ import torch
 
 from mm_grpo.parallel.pipeline import make_velocity_fn
 from mm_grpo.rollout import rollout
+from mm_grpo.training.loop import optimizer_step
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.grpo_helpers import SMOOTH_REWARD, grpo_argv, run_grpo, write_configs
 
@@ -17,7 +18,7 @@ def configs(tiny_pipeline_dir, tmp_path_factory):
 
 
 def _weights(run):
-    return {n: p.detach().clone() for n, p in run.schedule.policy_modules[0].named_parameters()}
+    return {n: p.detach().clone() for n, p in run.model.modules[0].named_parameters()}
 
 
 @pytest.mark.parametrize("train_mbs", [1, 4])
@@ -28,13 +29,13 @@ def test_rollout_log_probs_equal_training_recomputation(parallel_1proc, configs,
     prompts = ["a red circle"] * 4
     cond = s.conditioning(prompts)
     x0, noise = s.noise(0, range(4), 16)
-    traj = rollout(make_velocity_fn(s.policy_modules, cond, 4), x0, s.sigmas, s.sampler, noise=noise)
+    traj = rollout(make_velocity_fn(s.policy, cond, 4), x0, s.sigmas, s.sampler, noise=noise)
     steps = torch.arange(s.s.num_inference_steps - 1).repeat(4, 1)
     s.s = s.s.__class__(**{**s.s.__dict__, "micro_batch_size": train_mbs})
     worst = 0.0
     with torch.no_grad():
         for mb in s.micro_batches(traj, cond, torch.zeros(4), steps, list(range(4))):
-            v = s.policy_modules[0](**{k: mb[k] for k in ("hidden_states", "encoder_hidden_states",
+            v = s.policy[0](**{k: mb[k] for k in ("hidden_states", "encoder_hidden_states",
                                                          "pooled_projections", "timestep", "img_ids",
                                                          "txt_ids", "guidance")})
             logp = s.sampler(mb["hidden_states"], v, mb["timestep"], mb["sigma_next"], x_next=mb["x_next"]).log_prob
@@ -56,11 +57,11 @@ def test_first_micro_batch_ratio_is_exactly_one_and_later_updates_move_it(parall
 
 def test_branch_mode_trains_a_random_window_after_the_shared_prefix(parallel_1proc, configs):
     from mm_grpo.grpo import branch_window
-    from mm_grpo.seeding import seeded_generator
+    from mm_grpo.seeding import GRPOStream, seeded_generator
     history, run = run_grpo(grpo_argv(*configs, iters=2, extra=["--timestep-selection", "branch", "--init-same-noise",
                                                                 "--window-size", "3"]))
     s = run.schedule
-    windows = [branch_window(3, 6, seeded_generator(3, it, 4)) for it in range(2)]
+    windows = [branch_window(3, 6, seeded_generator(3, it, GRPOStream.BRANCH_WINDOW)) for it in range(2)]
     assert windows == [(3, 6), (0, 3)]  # seed 3: a 3-step shared prefix, then none
     for it, ((start, end), stats) in enumerate(zip(windows, history)):
         assert stats["sde_window_start"] == start
@@ -102,18 +103,18 @@ def test_non_finite_reward_or_loss_skips_the_iteration(parallel_1proc, configs):
         total, per = reward(images, prompts)
         return total * float("nan"), per
     s.reward = nan_reward
-    stats = s.iteration(0, run.prompts.next_batch(2))
+    stats = run.step(0)
     assert stats["skipped"] == 1.0 and "non-finite" in stats["skip_reason"]
     assert all(torch.equal(before[n], w) for n, w in _weights(run).items())
 
     s.reward, loss_fn = reward, s.loss_fn
     s.loss_fn = lambda v, mb: (lambda out: (out[0] * float("nan"), out[1]))(loss_fn(v, mb))
-    stats = s.iteration(1, run.prompts.next_batch(2))
+    stats = run.step(1)
     assert stats["skipped"] == 1.0
     assert all(torch.equal(before[n], w) for n, w in _weights(run).items())
 
     s.loss_fn = loss_fn  # training continues
-    stats = s.iteration(2, run.prompts.next_batch(2))
+    stats = run.step(2)
     assert stats["skipped"] == 0.0
     assert any(not torch.equal(before[n], w) for n, w in _weights(run).items())
 
@@ -137,7 +138,9 @@ def test_awm_trains_on_the_rollout_samples_renoised_to_the_trained_steps(paralle
         torch.testing.assert_close(mb["hidden_states"], (1 - sigma) * mb["x0"] + sigma * mb["noise"])
         torch.testing.assert_close(mb["timestep"], s.sigmas[steps[r, k]])
     before = _weights(run)
-    out = s.update(updates[0])
+    m = run.model
+    per_mb, step = optimizer_step(m.chunks, m.optimizer, m.scheduler, updates[0], s.loss_fn)
+    out = {**s.update_statistics(per_mb), **step}
     assert out["skipped"] == 0.0 and out["fm_loss"] > 0 and "ratio_mean" not in out
     assert any(not torch.equal(before[n], w) for n, w in _weights(run).items())
     with pytest.raises(ValueError, match="ode sampler has no log-probabilities.*--policy-loss awm"):
@@ -241,7 +244,7 @@ def test_held_out_evaluation_and_figures(parallel_1proc, tiny_pipeline_dir, tmp_
                                                                "--tensorboard-dir", str(tmp_path)]))
     assert sorted(run.evaluations) == [0, 1, 2]
     assert sorted(p.name for p in (tmp_path / "samples").glob("*.png")) == ["eval_000001.png", "eval_000002.png"]
-    again = run.evaluator(run.schedule.policy_modules).stats
+    again = run.evaluator(run.model.modules).stats
     assert again == run.evaluations[2]  # deterministic: same weights, same noise
     assert run.evaluations[0] != run.evaluations[2]  # the weights moved
     for name in ("reward_curve.png", "before_after.png"):

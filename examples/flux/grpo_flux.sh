@@ -80,8 +80,7 @@ GRPO_ARGS="--num-generations $G --num-inference-steps $STEPS --sampler ${SAMPLER
 [ "${TIMESTEPS:-random}" = branch ] && SAME_NOISE=1  # a group branches from one shared prefix
 [ "${SAME_NOISE:-0}" = 1 ] && GRPO_ARGS="$GRPO_ARGS --init-same-noise"
 OUTPUT_ARGS="--save ${SAVE:-$RUN_DIR/ckpt} --save-interval ${SAVE_INTERVAL:-100} --log-interval ${LOG_INTERVAL:-10} \
-  --tensorboard-dir $RUN_DIR --eval-interval ${EVAL_INTERVAL:-20} --save-image-interval ${IMAGE_INTERVAL:-20} \
-  --ckpt-format torch"
+  --tensorboard-dir $RUN_DIR --eval-interval ${EVAL_INTERVAL:-20} --save-image-interval ${IMAGE_INTERVAL:-20}"
 [ -n "${LOAD:-}" ] && OUTPUT_ARGS="$OUTPUT_ARGS --load $LOAD"
 
 echo "[grpo_flux.sh] device=$DEVICE nodes=$NNODES x $NPUS_PER_NODE TP=$TP PP=$PP CP=$CP run=$RUN_DIR"

@@ -51,7 +51,8 @@ MM_ARGS="--mm-model ${MODEL_JSON:-$SCRIPT_DIR/model_flow.json} --mm-data ${DATA_
 FLOW_ARGS="--weighting-scheme logit_normal --guidance-scale ${GUIDANCE:-3.5}"
 [ -n "${SHIFT:-}" ] && FLOW_ARGS="$FLOW_ARGS --flow-shift $SHIFT"
 OUTPUT_ARGS="--save ${SAVE:-$RUN_DIR/ckpt} --save-interval ${SAVE_INTERVAL:-500} --log-interval ${LOG_INTERVAL:-50} \
-  --tensorboard-dir $RUN_DIR --eval-interval ${EVAL_INTERVAL:-500} --ckpt-format torch"
+  --tensorboard-dir $RUN_DIR --eval-interval ${EVAL_INTERVAL:-500} \
+  --save-image-interval ${EVAL_INTERVAL:-500}"
 [ -n "${LOAD:-}" ] && OUTPUT_ARGS="$OUTPUT_ARGS --load $LOAD"
 
 echo "[pretrain_flux.sh] device=$DEVICE nodes=$NNODES x $NPUS_PER_NODE TP=$TP PP=$PP CP=$CP run=$RUN_DIR"

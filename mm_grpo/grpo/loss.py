@@ -4,7 +4,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from mm_grpo.training.flow_matching import flow_matching_loss
+from mm_grpo.flow import flow_matching_loss
 
 
 def grpo_loss(

@@ -1,4 +1,13 @@
-"""The GRPO schedule: one iteration = rollout -> decode + reward -> advantages -> policy update.
+"""The GRPO schedule, algorithm only: a rollout becomes the micro-batches of its optimizer updates
+(with statistics), and a micro-batch's model output becomes the objective's loss.
+
+    updates, stats = schedule.prepare(iteration, prompts)     # rollout, reward, advantages
+    for micro_batches in updates:                              # --updates-per-rollout of them
+        ... forward-backward of micro_batches with schedule.loss_fn, one optimizer step ...
+
+The optimizer step is the training loop's: mm-grpo's own trainer (`mm_grpo/training/train_grpo.py`)
+and MindSpeed-MM's `pretrain` (`mm_grpo/training/mindspeed_grpo.py`) drive the same micro-batches
+and loss through megatron-core's forward-backward function and their optimizer.
 
 Samples are numbered globally, group-major (sample s belongs to prompt s // G); data-parallel
 rank r owns a contiguous slice of them. Every random draw (initial noise, step noise, trained
@@ -9,131 +18,32 @@ an uninterrupted one does.
 import dataclasses
 import math
 import time
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from mm_grpo.flow import noisy_latents
 from mm_grpo.grpo.advantages import NonFiniteRewardError, group_advantages
 from mm_grpo.grpo.loss import awm_loss, grpo_loss
 from mm_grpo.grpo.timesteps import (SlidingWindow, branch_window, dance_grpo_timesteps, flow_grpo_timesteps,
                                     window_timesteps)
-from mm_grpo.parallel.pipeline import PER_SAMPLE_CONDITIONING, forward_backward, make_velocity_fn
+from mm_grpo.parallel.pipeline import PER_SAMPLE_CONDITIONING, make_velocity_fn
 from mm_grpo.parallel.state import dp_mean, dp_reduce
-from mm_grpo.rollout import SharedPrefix, get_sampler, rollout, sde_steps, sigma_schedule
-from mm_grpo.seeding import seeded_generator
-from mm_grpo.training.flow_matching import noisy_latents
-from mm_grpo.training.optim import all_finite
-
+from mm_grpo.rollout import SAMPLERS, SharedPrefix, get_sampler, rollout, sde_steps, sigma_schedule
+from mm_grpo.seeding import GRPOStream, seeded_generator
+from mm_grpo.settings import setting
 
 TIMESTEP_SELECTIONS = ("random", "ordered", "window", "branch")  # DanceGRPO, Flow-GRPO, MixGRPO, Flow-GRPO-Fast
 
 
-@dataclasses.dataclass(frozen=True)
-class GRPOSettings:
-    global_batch_size: int  # generations per iteration, all data-parallel ranks together
-    micro_batch_size: int = 1  # rollout forward and training micro-batch (equal: ratio == 1 exactly)
-    num_generations: int = 12
-    num_inference_steps: int = 16
-    sigma_shift: float = 3.0
-    sampler: str = "dance_sde"
-    noise_level: Optional[float] = None
-    init_same_noise: bool = False
-    guidance_scale: float = 3.5
-    height: int = 64
-    width: int = 64
-    timestep_selection: str = "random"  # TIMESTEP_SELECTIONS
-    timestep_fraction: float = 0.6
-    window_size: int = 3
-    window_shift_every: int = 25
-    ode_reuse: int = 1  # rollout: model evaluated every k-th ODE step outside the SDE window
-    clip_range: float = 1e-4
-    adv_clip_max: float = 5.0
-    global_std: bool = False
-    kl_beta: float = 0.0
-    policy_loss: str = "ppo"  # ppo (PPO-clip on log-probs) | awm (advantage-weighted matching)
-    updates_per_rollout: int = 1
-    seed: int = 1234
-
-    def check(self, dp_size: int):
-        g, n = self.num_generations, self.global_batch_size
-        if g < 2:
-            raise ValueError(f"--num-generations must be >= 2 (advantages compare a prompt's generations), got {g}")
-        if self.micro_batch_size < 1 or self.updates_per_rollout < 1:
-            raise ValueError(f"--micro-batch-size and --updates-per-rollout must be >= 1, got "
-                             f"{self.micro_batch_size} and {self.updates_per_rollout}")
-        if self.timestep_selection not in TIMESTEP_SELECTIONS:
-            raise ValueError(f"unknown --timestep-selection {self.timestep_selection!r}; "
-                             f"choose {', '.join(TIMESTEP_SELECTIONS)}")
-        if not 0 < self.timestep_fraction <= 1:
-            raise ValueError(f"--timestep-fraction must be in (0, 1], got {self.timestep_fraction}")
-        trainable = sde_steps(self.sampler, self.num_inference_steps)
-        if self.timestep_selection in ("window", "branch") and not 1 <= self.window_size <= trainable:
-            raise ValueError(f"--window-size must be in [1, {trainable}] (the steps that can draw noise), "
-                             f"got {self.window_size}")
-        if not self.clip_range > 0 or self.kl_beta < 0:
-            raise ValueError(f"need --clip-range > 0 and --kl-beta >= 0, got {self.clip_range} and {self.kl_beta}")
-        if n % g:
-            raise ValueError(f"global batch size {n} must be a multiple of --num-generations {g}")
-        per_update = n // self.updates_per_rollout
-        if n % self.updates_per_rollout or per_update % (dp_size * self.micro_batch_size):
-            raise ValueError(
-                f"global batch size {n} must split into --updates-per-rollout {self.updates_per_rollout} "
-                f"parts, each divisible by data-parallel size {dp_size} x micro-batch size {self.micro_batch_size}")
-        if self.ode_reuse < 1:
-            raise ValueError(f"--ode-reuse must be >= 1, got {self.ode_reuse}")
-        if self.policy_loss not in OBJECTIVES:
-            raise ValueError(f"unknown --policy-loss {self.policy_loss!r}; choose {', '.join(OBJECTIVES)}")
-        if self.timestep_selection == "branch" and not self.init_same_noise:
-            raise ValueError("--timestep-selection branch needs --init-same-noise: a group branches from one "
-                             "shared ODE prefix")
-        if self.sampler == "ode" and self.policy_loss == "ppo":
-            raise ValueError("the ode sampler has no log-probabilities: choose an SDE sampler, or --policy-loss awm")
-        if self.sampler == "ode" and self.init_same_noise:
-            raise ValueError("--sampler ode with --init-same-noise draws the same image G times (every advantage 0): "
-                             "drop --init-same-noise (SAME_NOISE=0)")
-
-    @property
-    def prompts_per_iteration(self) -> int:
-        return self.global_batch_size // self.num_generations
-
-
-def draw_noise(s: GRPOSettings, iteration: int, samples: range, tokens: int, channels: int):
-    """Initial noise [B, S, C] and step noise [B, N, S, C] of global samples `samples` (CPU)."""
-    init, steps = [], []
-    for i in samples:
-        key = i // s.num_generations if s.init_same_noise else i
-        init.append(torch.randn(tokens, channels, generator=seeded_generator(s.seed, iteration, 0, key)))
-        steps.append(torch.randn(s.num_inference_steps, tokens, channels,
-                                 generator=seeded_generator(s.seed, iteration, 1, i)))
-    return torch.stack(init), torch.stack(steps)
-
-
-def draw_matching_noise(s: GRPOSettings, iteration: int, samples: range, num_trained: int, tokens: int,
-                        channels: int) -> torch.Tensor:
-    """[B, K, S, C] forward-process noise re-noising each sample's x0 at its K trained steps (awm)."""
-    return torch.stack([torch.randn(num_trained, tokens, channels, generator=seeded_generator(s.seed, iteration, 3, i))
-                        for i in samples])
-
-
-def draw_trained_steps(s: GRPOSettings, iteration: int, samples: range, window=None) -> torch.Tensor:
-    """[B, K] indices of the transitions trained for each of `samples`: the steps of the
-    iteration's SDE `window` when there is one (`GRPOSchedule.sde_window`), else drawn."""
-    n = s.num_inference_steps
-    if window is not None:
-        return window_timesteps(len(samples), window, n)
-    if s.timestep_selection == "ordered":
-        return flow_grpo_timesteps(len(samples), sde_steps(s.sampler, n), s.timestep_fraction)
-    return torch.cat([dance_grpo_timesteps(1, n, s.timestep_fraction,
-                                           generator=seeded_generator(s.seed, iteration, 2, i)) for i in samples])
-
-
+# --- what --policy-loss decides ---------------------------------------------------------
 class Objective:
     """What `--policy-loss` decides: `draw` (per-iteration randomness of the loss), `fields` (what a
     trained (sample, step) row holds), `attach_reference` (its KL target) and `loss`."""
 
-    def __init__(self, settings: GRPOSettings, sampler, sigmas):
+    def __init__(self, settings: "GRPOSettings", sampler, sigmas):
         self.s, self.sampler, self.sigmas = settings, sampler, sigmas
 
     def draw(self, iteration: int, samples: range, num_trained: int, traj):
@@ -181,20 +91,136 @@ class AWMObjective(Objective):
 OBJECTIVES = {"ppo": PPOObjective, "awm": AWMObjective}  # --policy-loss
 
 
-class GRPOSchedule:
-    """Runs GRPO iterations for this rank's model chunks.
+# --- settings (each `setting` is also a command-line flag: mm_grpo/settings.py) ---------------
+@dataclasses.dataclass(frozen=True)
+class GRPOSettings:
+    global_batch_size: int  # generations per iteration, all data-parallel ranks together
+    micro_batch_size: int = 1  # rollout forward and training micro-batch (equal: ratio == 1 exactly)
+    num_generations: int = setting(12, "G: images per prompt")
+    num_inference_steps: int = setting(16, "N denoising steps")
+    sigma_shift: float = setting(3.0, "shift of the sigma schedule")
+    sampler: str = setting("dance_sde", "the rollout's step", choices=sorted(SAMPLERS))
+    noise_level: Optional[float] = setting(None, "eta / noise level (sampler default)")
+    init_same_noise: bool = setting(False, "same initial noise within a group")
+    guidance_scale: float = setting(3.5, "guidance embedding value (FLUX.1-dev)")
+    height: int = 64  # image size (the trainer's --height / --width, else model.json)
+    width: int = 64
+    timestep_selection: str = setting(
+        "random", "DanceGRPO (random), Flow-GRPO (ordered), MixGRPO sliding window, or Flow-GRPO-Fast branching "
+                  "(a --window-size SDE window at a random step per iteration; needs --init-same-noise)",
+        choices=TIMESTEP_SELECTIONS)
+    timestep_fraction: float = setting(0.6, "fraction of the steps trained (random, ordered)")
+    window_size: int = setting(3, "MixGRPO SDE window (steps; 4 of 25 in MixGRPO)")
+    window_shift_every: int = setting(25, "iterations per window move")
+    ode_reuse: int = setting(1, "window / branch: evaluate the model every k-th ODE step outside the window "
+                                "(MixGRPO-Flash style; 1 = every step); trained steps and their log-probs are unchanged")
+    clip_range: float = setting(1e-4, "PPO clip range c: the ratio is clipped to [1 - c, 1 + c]")
+    adv_clip_max: float = setting(5.0, "advantages clipped to +- this")
+    global_std: bool = setting(False, "normalise advantages by the global std")
+    kl_beta: float = setting(0.0, "weight of the KL term to the frozen starting policy")
+    policy_loss: str = setting(
+        "ppo", "ppo: PPO-clip on the rollout's log-probs (DanceGRPO / Flow-GRPO); awm: advantage-weighted flow "
+               "matching on the rollout's samples (AWM / DiffusionNFT; any sampler, ode included)",
+        choices=tuple(OBJECTIVES))
+    updates_per_rollout: int = setting(1, "optimizer steps per rollout (the batch is split into this many parts)")
+    seed: int = 1234
 
+    def check(self, dp_size: int):
+        g, n = self.num_generations, self.global_batch_size
+        if g < 2:
+            raise ValueError(f"--num-generations must be >= 2 (advantages compare a prompt's generations), got {g}")
+        if self.micro_batch_size < 1 or self.updates_per_rollout < 1:
+            raise ValueError(f"--micro-batch-size and --updates-per-rollout must be >= 1, got "
+                             f"{self.micro_batch_size} and {self.updates_per_rollout}")
+        if self.timestep_selection not in TIMESTEP_SELECTIONS:
+            raise ValueError(f"unknown --timestep-selection {self.timestep_selection!r}; "
+                             f"choose {', '.join(TIMESTEP_SELECTIONS)}")
+        if not 0 < self.timestep_fraction <= 1:
+            raise ValueError(f"--timestep-fraction must be in (0, 1], got {self.timestep_fraction}")
+        trainable = sde_steps(self.sampler, self.num_inference_steps)
+        if self.timestep_selection in ("window", "branch") and not 1 <= self.window_size <= trainable:
+            raise ValueError(f"--window-size must be in [1, {trainable}] (the steps that can draw noise), "
+                             f"got {self.window_size}")
+        if not self.clip_range > 0 or self.kl_beta < 0:
+            raise ValueError(f"need --clip-range > 0 and --kl-beta >= 0, got {self.clip_range} and {self.kl_beta}")
+        if n % g:
+            raise ValueError(f"global batch size {n} must be a multiple of --num-generations {g}")
+        per_update = n // self.updates_per_rollout
+        if n % self.updates_per_rollout or per_update % (dp_size * self.micro_batch_size):
+            raise ValueError(
+                f"global batch size {n} must split into --updates-per-rollout {self.updates_per_rollout} "
+                f"parts, each divisible by data-parallel size {dp_size} x micro-batch size {self.micro_batch_size}")
+        if self.ode_reuse < 1:
+            raise ValueError(f"--ode-reuse must be >= 1, got {self.ode_reuse}")
+        if self.policy_loss not in OBJECTIVES:
+            raise ValueError(f"unknown --policy-loss {self.policy_loss!r}; choose {', '.join(OBJECTIVES)}")
+        if self.timestep_selection == "branch" and not self.init_same_noise:
+            raise ValueError("--timestep-selection branch needs --init-same-noise: a group branches from one "
+                             "shared ODE prefix")
+        if self.sampler == "ode" and self.policy_loss == "ppo":
+            raise ValueError("the ode sampler has no log-probabilities: choose an SDE sampler, or --policy-loss awm")
+        if self.sampler == "ode" and self.init_same_noise:
+            raise ValueError("--sampler ode with --init-same-noise draws the same image G times (every advantage 0): "
+                             "drop --init-same-noise (SAME_NOISE=0)")
+
+    @property
+    def prompts_per_iteration(self) -> int:
+        return self.global_batch_size // self.num_generations
+
+    @property
+    def trained_steps_per_sample(self) -> int:
+        """K: every sample trains the same number of steps (the window's, or a fraction of the rest)."""
+        return draw_trained_steps(self, 0, range(1), (0, self.window_size) if self.timestep_selection in
+                                  ("window", "branch") else None).shape[1]
+
+
+# --- seeded draws -----------------------------------------------------------------------
+def draw_noise(s: GRPOSettings, iteration: int, samples: range, tokens: int, channels: int):
+    """Initial noise [B, S, C] and step noise [B, N, S, C] of global samples `samples` (CPU)."""
+    init, steps = [], []
+    for i in samples:
+        key = i // s.num_generations if s.init_same_noise else i
+        init.append(torch.randn(tokens, channels,
+                                generator=seeded_generator(s.seed, iteration, GRPOStream.INITIAL_NOISE, key)))
+        steps.append(torch.randn(s.num_inference_steps, tokens, channels,
+                                 generator=seeded_generator(s.seed, iteration, GRPOStream.STEP_NOISE, i)))
+    return torch.stack(init), torch.stack(steps)
+
+
+def draw_matching_noise(s: GRPOSettings, iteration: int, samples: range, num_trained: int, tokens: int,
+                        channels: int) -> torch.Tensor:
+    """[B, K, S, C] forward-process noise re-noising each sample's x0 at its K trained steps (awm)."""
+    return torch.stack([torch.randn(num_trained, tokens, channels,
+                                    generator=seeded_generator(s.seed, iteration, GRPOStream.MATCHING_NOISE, i))
+                        for i in samples])
+
+
+def draw_trained_steps(s: GRPOSettings, iteration: int, samples: range, window=None) -> torch.Tensor:
+    """[B, K] indices of the transitions trained for each of `samples`: the steps of the
+    iteration's SDE `window` when there is one (`GRPOSchedule.sde_window`), else drawn."""
+    n = s.num_inference_steps
+    if window is not None:
+        return window_timesteps(len(samples), window, n)
+    if s.timestep_selection == "ordered":
+        return flow_grpo_timesteps(len(samples), sde_steps(s.sampler, n), s.timestep_fraction)
+    return torch.cat([dance_grpo_timesteps(1, n, s.timestep_fraction,
+                                           generator=seeded_generator(s.seed, iteration, GRPOStream.TRAINED_STEPS, i))
+                      for i in samples])
+
+
+# --- the schedule -------------------------------------------------------------------------
+class GRPOSchedule:
+    """GRPO's rollouts and losses for this rank's model chunks.
+
+    policy: the bare model chunks (not their DDP wrappers) the rollout runs, without gradients;
+    the training loop trains their wrappers. ref_policy: the frozen reference of the KL term.
     conditioner(prompts) -> (prompt_embeds, pooled, txt_ids); decoder(x0, height, width) ->
     images in [0, 1]; reward(images, prompts) -> (total [B], {name: [B]})."""
 
-    def __init__(self, settings: GRPOSettings, policy: list, optimizer, scheduler,
-                 conditioner: Callable, decoder: Callable, reward: Callable, ref_policy: Optional[list] = None,
-                 device=None):
+    def __init__(self, settings: GRPOSettings, policy: list, conditioner: Callable, decoder: Callable,
+                 reward: Callable, ref_policy: Optional[list] = None, device=None):
         self.s = settings
-        self.policy, self.ref_policy = policy, ref_policy
-        # The bare model chunks (inside DDP) serve the no-grad forwards of rollout and KL.
-        self.policy_modules = [getattr(c, "module", c) for c in policy]
-        self.optimizer, self.scheduler = optimizer, scheduler
+        self.policy, self.ref_policy = list(policy), ref_policy
         self.conditioner, self.decoder, self.reward = conditioner, decoder, reward
         self.device = device or torch.device("cpu")
         self.dp_group = parallel_state.get_data_parallel_group()
@@ -240,18 +266,19 @@ class GRPOSchedule:
         if sel == "window":
             return self.window.bounds(iteration, n)
         if sel == "branch":
-            return branch_window(self.s.window_size, n, generator=seeded_generator(self.s.seed, iteration, 4))
+            return branch_window(self.s.window_size, n,
+                                 generator=seeded_generator(self.s.seed, iteration, GRPOStream.BRANCH_WINDOW))
         return None
 
     def trained_steps(self, iteration: int, samples: range) -> torch.Tensor:
         """[B, K] indices of the transitions trained for each sample."""
         return draw_trained_steps(self.s, iteration, samples, self.sde_window(iteration))
 
-    # --- the four phases ------------------------------------------------------------
+    # --- the phases ---------------------------------------------------------------------
     @torch.no_grad()
     def sample(self, iteration: int, prompts: List[str], samples: range, cond: dict, window=None):
-        x0, step_noise = self.noise(iteration, samples, self.policy_modules[0].flux_config.in_channels)
-        velocity = make_velocity_fn(self.policy_modules, cond, self.s.micro_batch_size)
+        x0, step_noise = self.noise(iteration, samples, self.policy[0].flux_config.in_channels)
+        velocity = make_velocity_fn(self.policy, cond, self.s.micro_batch_size)
         return rollout(velocity, x0, self.sigmas, self.sampler, sde_window=window, noise=step_noise,
                        ode_reuse=self.s.ode_reuse, shared_prefix=self.shared_prefix(samples, cond, window))
 
@@ -264,7 +291,7 @@ class GRPOSchedule:
         def velocity_over(rows):
             rows_cond = {k: v[rows.to(v.device)] if k in PER_SAMPLE_CONDITIONING and v is not None else v
                          for k, v in cond.items()}
-            return make_velocity_fn(self.policy_modules, rows_cond, math.gcd(len(rows), self.s.micro_batch_size))
+            return make_velocity_fn(self.policy, rows_cond, math.gcd(len(rows), self.s.micro_batch_size))
 
         return SharedPrefix.of_groups(self.group_ids(samples), velocity_over)
 
@@ -287,6 +314,7 @@ class GRPOSchedule:
                     txt_ids=cond["txt_ids"], img_ids=cond["img_ids"]))
         return out
 
+    @torch.no_grad()
     def attach_reference(self, micro_batches):
         """The reference policy's velocity on each row, for the objective's KL term (forward-only)."""
         for mb in micro_batches:
@@ -295,36 +323,6 @@ class GRPOSchedule:
                                                                                        mb["timestep"])
             self.objective.attach_reference(mb, v_ref)
 
-    def loss_fn(self, v, mb):
-        return self.objective.loss(v, mb)
-
-    def update(self, micro_batches):
-        """One optimizer step over `micro_batches` (gradients accumulated over all of them)."""
-        for chunk in self.policy:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        if self.ref_policy is not None and self.s.kl_beta > 0:
-            self.attach_reference(micro_batches)
-        per_mb = forward_backward(self.policy, micro_batches, self.loss_fn)
-        out = {}
-        for key in per_mb[0]:  # *_min / *_max over micro-batches and ranks, the rest averaged
-            values = torch.stack([m[key].float() for m in per_mb])
-            out[key] = (-self._dp_max(-values.min()) if key.endswith("_min") else
-                        self._dp_max(values.max()) if key.endswith("_max") else self._dp_mean(values.mean()))
-        if "ratio_min" in per_mb[0]:  # the first micro-batch's ratio is exactly 1 when on-policy
-            out.update(ratio_first_mb_min=per_mb[0]["ratio_min"].item(),
-                       ratio_first_mb_max=per_mb[0]["ratio_max"].item())
-        loss = out["loss"]
-        if not all_finite(loss, self.policy):
-            out.update(skipped=1.0, grad_norm=float("nan"), skip_reason="non-finite loss or gradient")
-            return out
-        ok, grad_norm, _ = self.optimizer.step()
-        if ok:
-            self.scheduler.step(increment=1)
-        out.update(skipped=0.0 if ok else 1.0, grad_norm=float(grad_norm) if grad_norm is not None else 0.0)
-        return out
-
-    # --- one iteration ----------------------------------------------------------------
     def prepare(self, iteration: int, prompts: List[str]):
         """Rollout, reward and advantages: (micro-batches of each optimizer update, stats).
 
@@ -355,25 +353,39 @@ class GRPOSchedule:
         drawn = self.objective.draw(iteration, samples, steps.shape[1], traj)
         parts = torch.arange(len(samples)).chunk(self.s.updates_per_rollout)
         updates = [self.micro_batches(traj, cond, adv, steps, part.tolist(), drawn) for part in parts]
+        if self.ref_policy is not None and self.s.kl_beta > 0:  # frozen: its velocities do not change
+            for micro_batches in updates:
+                self.attach_reference(micro_batches)
         stats.update(time_rollout=t1 - t0, time_reward=time.time() - t1)
         return updates, stats
 
-    def iteration(self, iteration: int, prompts: List[str]) -> dict:
-        """prompts: this iteration's prompts (the same list on every rank)."""
-        t0 = time.time()
-        updates, stats = self.prepare(iteration, prompts)
-        if updates is None:
-            return stats
-        t2 = time.time()
-        results = [self.update(micro_batches) for micro_batches in updates]
-        for key in dict.fromkeys(k for u in results for k in u):
-            values = [u[key] for u in results if key in u]
+    def loss_fn(self, v, mb):
+        """The objective's (loss, stats) of one micro-batch, given the policy's output `v`."""
+        return self.objective.loss(v, mb)
+
+    # --- statistics ---------------------------------------------------------------------
+    def update_statistics(self, per_mb: List[Dict]) -> Dict[str, float]:
+        """One update's loss statistics: *_min / *_max over its micro-batches and the data-parallel
+        ranks, the rest averaged; and the first micro-batch's ratio (exactly 1 when on-policy)."""
+        out = {}
+        for key in per_mb[0]:
+            values = torch.stack([torch.as_tensor(m[key]).float() for m in per_mb])
+            out[key] = (-self._dp_max(-values.min()) if key.endswith("_min") else
+                        self._dp_max(values.max()) if key.endswith("_max") else self._dp_mean(values.mean()))
+        if "ratio_min" in per_mb[0]:
+            out.update(ratio_first_mb_min=float(per_mb[0]["ratio_min"]),
+                       ratio_first_mb_max=float(per_mb[0]["ratio_max"]))
+        return out
+
+    @staticmethod
+    def merge_updates(per_update: List[Dict]) -> Dict:
+        """The statistics of a rollout's updates as one: averages, except what belongs to the first."""
+        merged = {}
+        for key in dict.fromkeys(k for u in per_update for k in u):
+            values = [u[key] for u in per_update if key in u]
             first_only = key.startswith("ratio_first") or key == "skip_reason"
-            stats[key] = values[0] if first_only else sum(values) / len(values)
-        t3 = time.time()
-        stats.update(time_train=t3 - t2, samples_per_second=self.s.global_batch_size / (t3 - t0),
-                     lr=self.optimizer.param_groups[0]["lr"])
-        return stats
+            merged[key] = values[0] if first_only else sum(values) / len(values)
+        return merged
 
     # --- reductions over data-parallel ranks -----------------------------------------
     def _dp_mean(self, value):

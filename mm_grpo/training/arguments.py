@@ -6,9 +6,9 @@ parallel sizes, batch sizes, optimizer, checkpointing, logging, plus `--mm-model
 """
 import argparse
 
-from mm_grpo.grpo.schedule import OBJECTIVES, TIMESTEP_SELECTIONS
+from mm_grpo.grpo.schedule import GRPOSettings
 from mm_grpo.jsonfile import load_json
-from mm_grpo.rollout.samplers import SAMPLERS
+from mm_grpo.settings import add_setting_args
 
 
 def _add_megatron_args(p):
@@ -32,8 +32,7 @@ def _add_megatron_args(p):
     g.add_argument("--compile-blocks", action="store_true",
                    help="torch.compile each FLUX block (fuses element-wise ops; the first iteration compiles)")
 
-    g = p.add_argument_group("optimizer")
-    g.add_argument("--optimizer", default="adam", choices=["adam"])
+    g = p.add_argument_group("optimizer (AdamW)")
     g.add_argument("--lr", type=float, default=1e-5)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", default="constant", choices=["constant", "linear", "cosine"])
@@ -52,7 +51,6 @@ def _add_megatron_args(p):
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument("--ckpt-format", default="torch", choices=["torch"])
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=1)
@@ -64,48 +62,21 @@ def _add_megatron_args(p):
     g = p.add_argument_group("mindspeed-mm")
     g.add_argument("--mm-model", required=True, help="model.json (ae, text_encoder, predictor, reward)")
     g.add_argument("--mm-data", required=True, help="data.json (dataset_param, dataloader_param)")
-    g.add_argument("--mm-tool", default=None, help="accepted for MindSpeed-MM compatibility; unused")
 
 
 def _add_grpo_args(p):
-    g = p.add_argument_group("grpo")
-    g.add_argument("--num-generations", type=int, default=12, help="G: images per prompt")
-    g.add_argument("--num-inference-steps", type=int, default=16, help="N denoising steps")
-    g.add_argument("--sigma-shift", type=float, default=3.0)
-    g.add_argument("--sampler", default="dance_sde", choices=sorted(SAMPLERS))
-    g.add_argument("--noise-level", type=float, default=None, help="eta / noise level (sampler default)")
-    g.add_argument("--init-same-noise", action="store_true", help="same initial noise within a group")
-    g.add_argument("--guidance-scale", type=float, default=3.5)
+    g = add_setting_args(p.add_argument_group("grpo"), GRPOSettings)
     g.add_argument("--height", type=int, default=None, help="image height (model.json default)")
     g.add_argument("--width", type=int, default=None)
-    g.add_argument("--timestep-selection", default="random", choices=TIMESTEP_SELECTIONS,
-                   help="DanceGRPO (random), Flow-GRPO (ordered), MixGRPO sliding window, or Flow-GRPO-Fast "
-                        "branching (a --window-size SDE window at a random step per iteration; needs "
-                        "--init-same-noise)")
-    g.add_argument("--timestep-fraction", type=float, default=0.6)
-    g.add_argument("--window-size", type=int, default=3, help="MixGRPO SDE window (steps; 4 of 25 in MixGRPO)")
-    g.add_argument("--window-shift-every", type=int, default=25, help="iterations per window move")
-    g.add_argument("--ode-reuse", type=int, default=1,
-                   help="window / branch: evaluate the model every k-th ODE step outside the window (MixGRPO-Flash "
-                        "style; 1 = every step); trained steps and their log-probs are unchanged")
-    g.add_argument("--clip-range", type=float, default=1e-4)
-    g.add_argument("--adv-clip-max", type=float, default=5.0)
-    g.add_argument("--global-std", action="store_true", help="normalise advantages by the global std")
-    g.add_argument("--kl-beta", type=float, default=0.0)
-    g.add_argument("--policy-loss", default="ppo", choices=list(OBJECTIVES),
-                   help="ppo: PPO-clip on the rollout's log-probs (DanceGRPO / Flow-GRPO); awm: advantage-weighted "
-                        "flow matching on the rollout's samples (AWM / DiffusionNFT; any sampler, ode included)")
-    g.add_argument("--updates-per-rollout", type=int, default=1,
-                   help="optimizer steps per rollout (the batch is split into this many parts)")
     g.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per evaluation")
 
 
-def build_parser(grpo: bool = True):
+def build_parser(add_args=_add_grpo_args):
+    """The Megatron-style arguments, and the trainer's own group (`add_args(parser)`)."""
     p = argparse.ArgumentParser(description="mm-grpo training (Megatron-style arguments)",
                                 allow_abbrev=False)
     _add_megatron_args(p)
-    if grpo:
-        _add_grpo_args(p)
+    add_args(p)
     return p
 
 
@@ -119,8 +90,8 @@ def check_counts(args):
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
 
 
-def parse_args(argv=None, grpo: bool = True):
-    args = build_parser(grpo).parse_args(argv)
+def parse_args(argv=None, add_args=_add_grpo_args):
+    args = build_parser(add_args).parse_args(argv)
     check_counts(args)
     args.mm_model_config = load_json(args.mm_model, "--mm-model")
     args.mm_data_config = load_json(args.mm_data, "--mm-data")

@@ -21,6 +21,8 @@ from mm_grpo.checkpoint.metadata import CheckpointMeta
 from mm_grpo.checkpoint.paths import RELEASE, iteration_dir, model_key
 from mm_grpo.checkpoint.reader import MegatronCheckpoint
 from mm_grpo.checkpoint.writer import CheckpointWriter, clear_stale
+from mm_grpo.training.optim import unwrap
+
 
 def _rng_state():
     state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
@@ -68,7 +70,7 @@ def save_checkpoint(root, iteration, model_chunks, optimizer, scheduler, meta: C
         os.makedirs(shard_dir, exist_ok=True)
         torch.save(optimizer.optimizer.state_dict(), _distrib_optim_file(shard_dir))
     if _writes_shard():
-        tree = {model_key(v, len(model_chunks)): _unwrap(c).state_dict() for v, c in enumerate(model_chunks)}
+        tree = {model_key(v, len(model_chunks)): c.state_dict() for v, c in enumerate(unwrap(model_chunks))}
         tree.update(optimizer=optimizer.state_dict(), opt_param_scheduler=scheduler.state_dict(),
                     rng_state=_rng_state(), **extra)
         writer.write_shard(tp_rank, pp_rank, tree)
@@ -78,17 +80,13 @@ def save_checkpoint(root, iteration, model_chunks, optimizer, scheduler, meta: C
     dist.barrier()
 
 
-def _unwrap(chunk):
-    return chunk.module if hasattr(chunk, "module") else chunk
-
-
 def load_checkpoint(path, model_chunks, optimizer=None, scheduler=None, load_optim=True, load_rng=True):
     """Load weights (any TP/PP) and, for an `iter_*` checkpoint of this layout, the training state.
 
     Returns (iteration, extra) where extra holds e.g. `consumed_prompts`; a `release`
     checkpoint (from the converter) gives iteration 0 and no extra state."""
     folder = iteration_dir(path)
-    meta = load_megatron_checkpoint([_unwrap(c) for c in model_chunks], folder)
+    meta = load_megatron_checkpoint(unwrap(model_chunks), folder)
     if os.path.basename(folder) == RELEASE:
         return 0, {}
     same_layout = (meta.tp_size, meta.pp_size, meta.vpp_size) == (

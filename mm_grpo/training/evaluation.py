@@ -10,9 +10,7 @@ import torch
 
 from mm_grpo.pipeline.latents import prepare_latent_image_ids
 from mm_grpo.rollout import rollout
-from mm_grpo.seeding import seeded_generator
-
-EVAL_STREAM = 7919  # keeps evaluation noise apart from any training draw of the same seed
+from mm_grpo.seeding import Stream, seeded_generator
 
 
 def conditioning(conditioner: Callable, prompts: List[str], grid, guidance: float, device) -> dict:
@@ -55,7 +53,7 @@ class Evaluator:
 
     def noise(self, keys) -> torch.Tensor:
         tokens = self.grid[0] * self.grid[1]
-        return torch.stack([torch.randn(tokens, self.channels, generator=seeded_generator(self.seed, EVAL_STREAM, i, j))
+        return torch.stack([torch.randn(tokens, self.channels, generator=seeded_generator(self.seed, Stream.EVALUATION, i, j))
                             for i, j in keys]).to(self.device)
 
     @torch.no_grad()

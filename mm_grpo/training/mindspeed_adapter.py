@@ -1,59 +1,81 @@
-"""The GRPO schedule inside MindSpeed-MM's (Megatron's) own `pretrain`.
+"""GRPO in Megatron's `forward_step` + data-iterator shape, for MindSpeed-MM's (Megatron's) `pretrain`.
 
-Megatron's loop calls, per optimizer step, `forward_backward_func(forward_step,
-data_iterator, model, num_microbatches, ...)` and then the optimizer. GRPO fits that loop
-when the data iterator does the rollout: `GRPOMicroBatches` yields (trajectory, trained
-timestep) micro-batches, and when they run out it runs the next rollout, reward and
-advantages with the current policy. `make_forward_step` gives the matching
-`forward_step(data_iterator, model) -> (output, loss_func)`. Usage in an entry script:
+Megatron's loop calls, per optimizer step, `forward_backward_func(forward_step, data_iterator,
+model, num_microbatches, ...)` and then the optimizer. GRPO fits that loop when the data
+iterator does the rollout: `GRPOMicroBatches` yields (trajectory, trained timestep)
+micro-batches, and when they run out it runs the next rollout, reward and advantages with the
+current policy. It gets the policy from the first `forward_step` call (the model `pretrain`
+built), so it can be made before the model exists, as Megatron's dataset provider is:
 
-    schedule = GRPOSchedule(settings, model, optimizer, scheduler, conditioner, decoder, reward)
-    data_iterator = GRPOMicroBatches(schedule, PromptStream(read_prompts(path)))
-    pretrain(..., forward_step_func=make_forward_step(schedule), ...)   # with that iterator
+    data_iterator = GRPOMicroBatches(make_schedule, prompt_stream, start_iteration)
+    forward_step = make_forward_step()
+    # make_schedule(policy) -> GRPOSchedule over the bare model chunks `policy`
 
-Megatron takes the number of micro-batches per step from its arguments:
-`--global-batch-size` there must be (generations per optimizer update) x (trained steps per
-sample), i.e. `GRPO global batch / updates_per_rollout * K`, with the same
-`--micro-batch-size`. One iterator serves one model chunk (no virtual pipeline stages).
+Megatron's `--global-batch-size` counts micro-batch rows per optimizer step: it must be
+(generations per update) x (trained steps per sample) with the same `--micro-batch-size`.
+The rollout runs inside the first `forward_step` of a step, so every rank of the pipeline group
+would have to be in it at once: pipeline parallelism (and its virtual stages) needs mm-grpo's
+own loop (`train_grpo`), which rolls out between the optimizer steps.
 """
 import collections
 import functools
 
+import torch
+
 from mm_grpo.parallel.pipeline import FORWARD_KEYS
+from mm_grpo.training.optim import unwrap
+
+# Rollout statistics logged with each micro-batch's loss (Megatron logs the loss dictionary).
+LOGGED_ROLLOUT_STATS = ("reward/mean", "reward/std", "adv/abs_max")
 
 
 class GRPOMicroBatches:
-    """A Megatron data iterator over GRPO micro-batches; `stats` holds the last rollout's."""
+    """A Megatron data iterator over GRPO micro-batches. `schedule` is made on the first
+    `bind(model_chunks)`; `iteration` counts rollouts; `stats` holds the last rollout's."""
 
-    def __init__(self, schedule, prompts, start_iteration: int = 0):
-        self.schedule, self.prompts = schedule, prompts
+    def __init__(self, make_schedule, prompts, start_iteration: int = 0):
+        self.make_schedule, self.prompts = make_schedule, prompts
+        self.schedule = None
         self.iteration = start_iteration
         self.queue = collections.deque()
         self.stats = {}
+
+    def bind(self, model_chunks):
+        """The policy: the model chunks `forward_step` receives (DDP-wrapped); their bare modules
+        run the rollout."""
+        if self.schedule is None:
+            self.schedule = self.make_schedule(unwrap(model_chunks))
+        return self.schedule
 
     def __iter__(self):
         return self
 
     def __next__(self):
+        if self.schedule is None:
+            raise RuntimeError("GRPOMicroBatches has no policy yet: read it through make_forward_step's "
+                               "forward_step, which binds the model")
         while not self.queue:
             prompts = self.prompts.next_batch(self.schedule.s.prompts_per_iteration)
             updates, self.stats = self.schedule.prepare(self.iteration, prompts)
             self.iteration += 1
             for micro_batches in updates or []:  # a skipped rollout yields nothing
-                self.queue.extend(micro_batches)
+                logged = {k: torch.tensor(float(self.stats[k])) for k in LOGGED_ROLLOUT_STATS if k in self.stats}
+                self.queue.extend(dict(mb, logged=logged) for mb in micro_batches)
         return self.queue.popleft()
 
 
-def make_forward_step(schedule):
+def make_forward_step():
     """Megatron's `forward_step(data_iterator, model) -> (output, loss_func)` for GRPO."""
 
-    def loss_func(batch, output):
+    def loss_func(schedule, batch, output):
         loss, stats = schedule.loss_fn(output, batch)
-        return loss, {k: v.detach() for k, v in stats.items()}
+        # Megatron scales the returned loss in place, so report a copy of it.
+        return loss, {"loss": loss.detach().clone(), **{k: v.detach() for k, v in stats.items()}, **batch["logged"]}
 
     def forward_step(data_iterator, model):
+        schedule = data_iterator.bind([model])
         batch = next(data_iterator)
         output = model(**{k: batch[k] for k in FORWARD_KEYS if k in batch})
-        return output, functools.partial(loss_func, batch)
+        return output, functools.partial(loss_func, schedule, batch)
 
     return forward_step

@@ -1,11 +1,10 @@
 """megatron-core DDP, optimizer and LR schedule for the model chunks of this rank."""
-import math
-
-import torch
-import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.utils import get_attr_wrapped_model
+
+from mm_grpo.settings import from_args
 
 
 def wrap_ddp(model_chunks, use_distributed_optimizer=False):
@@ -25,14 +24,17 @@ def wrap_ddp(model_chunks, use_distributed_optimizer=False):
     return chunks
 
 
+def unwrap(chunks):
+    """The bare model chunks inside DDP (and any other wrapper that keeps the model in `.module`)."""
+    return [get_attr_wrapped_model(c, "flux_config", return_model_obj=True) for c in chunks]
+
+
 def build_optimizer(ddp_chunks, args):
-    """AdamW with fp32 master weights (the model computes in bf16 under autocast with --bf16)."""
-    config = OptimizerConfig(
-        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
-        bf16=False, fp16=False)
-    return get_megatron_optimizer(config, ddp_chunks)
+    """AdamW with fp32 master weights (the model computes in bf16 under autocast with --bf16): the
+    OptimizerConfig fields named like the arguments (--lr, --adam-beta1, --clip-grad...) come
+    from them, as in Megatron-LM."""
+    return get_megatron_optimizer(from_args(OptimizerConfig, args, optimizer="adam", bf16=False, fp16=False),
+                                  ddp_chunks)
 
 
 def build_scheduler(optimizer, args):
@@ -42,14 +44,3 @@ def build_scheduler(optimizer, args):
         lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=max(decay_iters, args.lr_warmup_iters + 1),
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
         wd_incr_steps=decay_iters, wd_incr_style="constant")
-
-
-def all_finite(loss: float, ddp_chunks) -> bool:
-    """The loss and every gradient finite, agreed by all ranks (the optimizer step is collective,
-    so either every rank steps or none does). The flag lives on the parameters' device:
-    NCCL / HCCL reduce accelerator tensors only."""
-    params = [p for chunk in ddp_chunks for p in chunk.parameters() if p.requires_grad]
-    finite = math.isfinite(loss) and all(bool(torch.isfinite(getattr(p, "main_grad", p.grad)).all()) for p in params)
-    flag = torch.tensor(1.0 if finite else 0.0, device=params[0].device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())

@@ -14,7 +14,6 @@ resumed run reads exactly what an uninterrupted one would. Noise and timesteps a
 """
 import dataclasses
 import os
-import time
 from typing import Dict, List
 
 import torch
@@ -22,49 +21,16 @@ from megatron.core import parallel_state
 
 from mm_grpo import get_platform
 from mm_grpo.data.image_captions import ImageCaptionDataset
-from mm_grpo.jsonfile import load_json
+from mm_grpo.flow import FlowMatchingSettings, flow_matching_loss, noisy_latents, sample_sigmas
 from mm_grpo.parallel import initialize_parallel
-from mm_grpo.parallel.pipeline import forward_backward
-from mm_grpo.parallel.state import dp_mean
 from mm_grpo.pipeline.latents import pack_latents
-from mm_grpo.seeding import seeded_generator
-from mm_grpo.training import components
-from mm_grpo.training.arguments import build_parser, check_counts
+from mm_grpo.seeding import Stream, seeded_generator
+from mm_grpo.settings import add_setting_args, from_args, setting
+from mm_grpo.training import arguments, components
 from mm_grpo.training.entry import run_entry, train_and_report
-from mm_grpo.training.checkpointing import load_checkpoint, save_checkpoint
 from mm_grpo.training.evaluation import conditioning
-from mm_grpo.training.flow_matching import (WEIGHTING_SCHEMES, FlowMatchingSettings, flow_matching_loss,
-                                            noisy_latents, sample_sigmas)
-from mm_grpo.training.logging_utils import TrainLogger
-from mm_grpo.training.optim import all_finite
+from mm_grpo.training.loop import TrainingRun, optimizer_step
 from mm_grpo.training.trainable import build_trainable, parallel_config, run_configs
-
-TRAIN_STREAM = 1  # generator stream of the training noise (evaluation uses its own)
-
-
-def add_flow_args(parser):
-    g = parser.add_argument_group("flow matching")
-    g.add_argument("--weighting-scheme", default="logit_normal", choices=WEIGHTING_SCHEMES,
-                   help="distribution of t before the shift (SD3 / FLUX: logit_normal)")
-    g.add_argument("--logit-mean", type=float, default=0.0)
-    g.add_argument("--logit-std", type=float, default=1.0)
-    g.add_argument("--flow-shift", type=float, default=None,
-                   help="sigma shift s; default: FLUX's exp(mu) from the number of image tokens")
-    g.add_argument("--guidance-scale", type=float, default=3.5, help="guidance embedding value (FLUX.1-dev)")
-    g.add_argument("--height", type=int, default=None,
-                   help="side of the square training images (default: model.json image_size)")
-    g.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts per evaluation")
-    g.add_argument("--num-inference-steps", type=int, default=16, help="ODE steps of the evaluation")
-    g.add_argument("--sigma-shift", type=float, default=3.0, help="shift of the evaluation's sigma schedule")
-    return parser
-
-
-def parse_args(argv=None):
-    args = add_flow_args(build_parser(grpo=False)).parse_args(argv)
-    check_counts(args)
-    args.mm_model_config = load_json(args.mm_model, "--mm-model")
-    args.mm_data_config = load_json(args.mm_data, "--mm-data")
-    return args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +38,7 @@ class FlowSettings:
     global_batch_size: int
     micro_batch_size: int
     flow: FlowMatchingSettings
-    guidance_scale: float = 3.5
+    guidance_scale: float = setting(3.5, "guidance embedding value (FLUX.1-dev)")
     seed: int = 1234
 
     def check(self, dp_size: int):
@@ -82,6 +48,21 @@ class FlowSettings:
         if self.global_batch_size % (dp_size * self.micro_batch_size):
             raise ValueError(f"global batch size {self.global_batch_size} must be divisible by data-parallel size "
                              f"{dp_size} x micro-batch size {self.micro_batch_size}")
+
+
+def add_flow_args(parser):
+    g = add_setting_args(add_setting_args(parser.add_argument_group("flow matching"), FlowMatchingSettings),
+                         FlowSettings)
+    g.add_argument("--height", type=int, default=None,
+                   help="side of the square training images (default: model.json image_size)")
+    g.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts per evaluation")
+    g.add_argument("--num-inference-steps", type=int, default=16, help="ODE steps of the evaluation")
+    g.add_argument("--sigma-shift", type=float, default=3.0, help="shift of the evaluation's sigma schedule")
+    return parser
+
+
+def parse_args(argv=None):
+    return arguments.parse_args(argv, add_args=add_flow_args)
 
 
 class FeatureEncoder:
@@ -126,11 +107,11 @@ class FeatureEncoder:
         return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]), rows[0][2]
 
 
-class FlowRun:
+class FlowRun(TrainingRun):
     """Everything one flow-matching run holds, built from the arguments."""
 
     def __init__(self, args):
-        self.args = args
+        super().__init__(args)
         configs = run_configs(args)
         self.model_cfg, self.data_cfg, self.flux_config = configs.model, configs.data, configs.flux_config
         predictor = configs.predictor
@@ -153,12 +134,10 @@ class FlowRun:
         self.shuffle, self.data_seed = loader.get("shuffle", True), loader.get("seed", args.seed)
         parallel = parallel_config(args, predictor)
         initialize_parallel(parallel, seed=args.seed, timeout_minutes=args.distributed_timeout_minutes)
-        self.settings = FlowSettings(
-            global_batch_size=args.global_batch_size or args.micro_batch_size * parallel_state.get_data_parallel_world_size(),
-            micro_batch_size=args.micro_batch_size, guidance_scale=args.guidance_scale, seed=args.seed,
-            flow=FlowMatchingSettings(weighting_scheme=args.weighting_scheme, logit_mean=args.logit_mean,
-                                      logit_std=args.logit_std, shift=args.flow_shift))
-        self.settings.check(parallel_state.get_data_parallel_world_size())
+        dp_size = parallel_state.get_data_parallel_world_size()
+        self.settings = from_args(FlowSettings, args, global_batch_size=args.global_batch_size or
+                                  args.micro_batch_size * dp_size, flow=from_args(FlowMatchingSettings, args))
+        self.settings.check(dp_size)
         self.model = build_trainable(args, self.flux_config, predictor, parallel)
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         self.features = FeatureEncoder(components.block(self.model_cfg, "ae", "--mm-model"),
@@ -167,11 +146,8 @@ class FlowRun:
                                        cache=bool(params.get("cache_features", False)))
         self.grid = (size // 16, size // 16)
         self.evaluator = self._evaluator(params)
-        self.start_iteration = 0
         if self.model.resume:
-            self.start_iteration, _ = load_checkpoint(args.load, self.model.chunks, self.model.optimizer,
-                                                      self.model.scheduler, load_optim=not args.no_load_optim,
-                                                      load_rng=not args.no_load_rng)
+            self.resume()
 
     def _evaluator(self, params):
         """ODE samples of the held-out prompts, scored by model.json's rewards (if both are given)."""
@@ -213,7 +189,7 @@ class FlowRun:
         tokens = x0.shape[1]
         noise, sigma = [], []
         for s in samples:
-            g = seeded_generator(self.settings.seed, TRAIN_STREAM, iteration, s)
+            g = seeded_generator(self.settings.seed, Stream.FLOW_TRAINING, iteration, s)
             noise.append(torch.randn(x0.shape[1:], generator=g))
             sigma.append(sample_sigmas(1, self.settings.flow, tokens, generator=g))
         noise, sigma = torch.stack(noise).to(self.device), torch.cat(sigma).to(self.device)
@@ -232,61 +208,9 @@ class FlowRun:
     def loss_fn(v, mb):
         return flow_matching_loss(v, mb["x0"], mb["noise"]).mean(), {}
 
-    def train_step(self, micro_batches: List[Dict]) -> Dict[str, float]:
-        """One optimizer step over `micro_batches` (this rank's share of the global batch)."""
-        model = self.model
-        for chunk in model.chunks:
-            chunk.zero_grad_buffer()
-        model.optimizer.zero_grad()
-        per_mb = forward_backward(model.chunks, micro_batches, self.loss_fn)
-        loss = dp_mean(torch.stack([m["loss"].float() for m in per_mb]).mean())
-        if not all_finite(loss, self.model.chunks):
-            return {"loss": loss, "skipped": 1.0, "grad_norm": float("nan"),
-                    "skip_reason": "non-finite loss or gradient"}
-        ok, grad_norm, _ = model.optimizer.step()
-        if ok:
-            model.scheduler.step(increment=1)
-        return {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
-                "skipped": 0.0 if ok else 1.0, "lr": model.optimizer.param_groups[0]["lr"]}
-
-    def train(self):
-        args = self.args
-        logger = TrainLogger(args.tensorboard_dir, args.train_iters, self.start_iteration,
-                             progress_bar=not args.no_progress_bar, log_interval=args.log_interval)
-        history = []
-        try:
-            for it in range(self.start_iteration, args.train_iters):
-                start = time.time()
-                stats = self.train_step(self.micro_batches(it))
-                stats["samples_per_second"] = self.settings.global_batch_size / (time.time() - start)
-                history.append(stats)
-                logger.log(it + 1, stats)
-                done = it + 1
-                if self.evaluator and args.eval_interval and (done % args.eval_interval == 0 or done == args.train_iters):
-                    result = self.evaluator(self.model.modules)
-                    logger.log_eval(done, result.stats)
-                    history[-1].update(result.stats)
-                    if self.image_dir:
-                        logger.image_grid(done, result.images[:16], os.path.join(self.image_dir, f"eval_{done:06d}.png"))
-                if args.save and args.save_interval and done % args.save_interval == 0:
-                    self.save(done)
-            ran = self.start_iteration < args.train_iters  # a resume past --train-iters trains nothing
-            if args.save and ran and (not args.save_interval or args.train_iters % args.save_interval):
-                self.save(args.train_iters)
-        finally:
-            logger.close()
-        return history
-
-    def save(self, iteration):
+    def step(self, iteration: int) -> Dict[str, float]:
         m = self.model
-        save_checkpoint(self.args.save, iteration, m.chunks, m.optimizer, m.scheduler, m.meta,
-                        {"consumed_train_samples": iteration * self.settings.global_batch_size,
-                         "iteration": iteration})
-
-    @property
-    def image_dir(self):
-        root = self.args.tensorboard_dir or self.args.save
-        return os.path.join(root, "samples") if root else None
+        return optimizer_step(m.chunks, m.optimizer, m.scheduler, self.micro_batches(iteration), self.loss_fn)[1]
 
 
 def main(argv=None):

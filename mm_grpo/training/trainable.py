@@ -17,7 +17,7 @@ from mm_grpo.models.registry import flux_config_from_block, load_pretrained
 from mm_grpo.parallel import ParallelConfig
 from mm_grpo.parallel.pipeline import build_model_chunks, resolve_pp_layers
 from mm_grpo.training import components
-from mm_grpo.training.optim import build_optimizer, build_scheduler, wrap_ddp
+from mm_grpo.training.optim import build_optimizer, build_scheduler, unwrap, wrap_ddp
 
 
 @dataclasses.dataclass
@@ -69,7 +69,7 @@ class Trainable:
     @property
     def modules(self):
         """The bare model chunks inside DDP (for no-grad forwards)."""
-        return [getattr(c, "module", c) for c in self.chunks]
+        return unwrap(self.chunks)
 
 
 def build_trainable(args, flux_config: FluxConfig, predictor: dict, parallel: ParallelConfig) -> Trainable:

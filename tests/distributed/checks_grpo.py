@@ -57,7 +57,7 @@ def _run_layout(name):
     dist.barrier()
     history, run = run_grpo(grpo_argv(model_json, data_json, iters=2,
                                       extra=_layout_argv(name) + ["--save", os.path.join(out, f"ckpt_{name}")]))
-    weights = gather_hf_state_dict(run.policy)
+    weights = gather_hf_state_dict(run.model.chunks)
     if dist.get_rank() == 0:
         torch.save({"history": history, "weights": weights}, os.path.join(out, f"grpo_{name}.pt"))
     return {"losses": [h["loss"] for h in history]}
@@ -132,7 +132,7 @@ def grpo_resume_on_another_layout():
     saved = torch.load(os.path.join(out, "grpo_dp2.pt"), weights_only=False)["weights"]
     _, run = run_grpo(grpo_argv(model_json, data_json, iters=2, extra=LAYOUTS["tp2"] + [
         "--load", os.path.join(out, "ckpt_dp2"), "--no-load-optim"]))
-    weights = gather_hf_state_dict(run.policy)
+    weights = gather_hf_state_dict(run.model.chunks)
     return {"start_iteration": run.start_iteration,
             "max_weight_diff": max((weights[n] - w).abs().max().item() for n, w in saved.items())}
 
@@ -148,11 +148,11 @@ def grpo_distributed_optimizer_resume():
     argv = lambda iters, *extra: grpo_argv(os.path.join(cfg, "model.json"), os.path.join(cfg, "data.json"),  # noqa
                                            iters=iters, extra=["--use-distributed-optimizer", *extra])
     full, run_full = run_grpo(argv(4))
-    weights_full = gather_hf_state_dict(run_full.policy)
+    weights_full = gather_hf_state_dict(run_full.model.chunks)
     ckpt = os.path.join(out, "ckpt_distopt")
     first, _ = run_grpo(argv(2, "--save", ckpt))
     second, run_resumed = run_grpo(argv(4, "--load", ckpt))
-    weights = gather_hf_state_dict(run_resumed.policy)
+    weights = gather_hf_state_dict(run_resumed.model.chunks)
     return {"rewards_equal": [h["reward/mean"] for h in first + second] == [h["reward/mean"] for h in full],
             "max_weight_diff": max((weights[n] - w).abs().max().item() for n, w in weights_full.items()),
             "start_iteration": run_resumed.start_iteration}

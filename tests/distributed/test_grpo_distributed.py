@@ -24,7 +24,7 @@ def single_process(parallel_1proc, tiny_pipeline_dir, tmp_path_factory):
     out = {}
     for variant, extra in VARIANTS.items():
         history, run = run_grpo(grpo_argv(*cfg, iters=2, extra=ADAM_LINEAR + extra))
-        out[variant] = history, gather_hf_state_dict(run.policy)
+        out[variant] = history, gather_hf_state_dict(run.model.chunks)
     return out
 
 

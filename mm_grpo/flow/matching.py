@@ -17,15 +17,19 @@ from typing import Optional
 
 import torch
 
+from mm_grpo.settings import setting
+
 WEIGHTING_SCHEMES = ("logit_normal", "uniform")
 
 
 @dataclasses.dataclass(frozen=True)
 class FlowMatchingSettings:
-    weighting_scheme: str = "logit_normal"
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
-    shift: Optional[float] = None  # None: FLUX's resolution-dependent exp(mu)
+    weighting_scheme: str = setting("logit_normal", "distribution of t before the shift (SD3 / FLUX: logit_normal)",
+                                    choices=WEIGHTING_SCHEMES)
+    logit_mean: float = setting(0.0, "mean of the logit-normal t")
+    logit_std: float = setting(1.0, "std of the logit-normal t")
+    shift: Optional[float] = setting(None, "sigma shift s; default: FLUX's exp(mu) from the number of image tokens",
+                                     flag="--flow-shift")
     base_shift: float = 0.5  # FLUX.1 scheduler_config.json
     max_shift: float = 1.15
     base_seq_len: int = 256

@@ -1,0 +1,150 @@
+"""The one training loop and the one optimizer step of mm-grpo's trainers (GRPO and flow matching).
+
+`optimizer_step` is Megatron's `train_step` on a list of micro-batches: zero the gradient
+buffers, megatron-core's forward-backward over all micro-batches (gradients accumulated), a
+finite check agreed by all ranks, the optimizer step, the LR-scheduler step. MindSpeed-MM's
+`pretrain` runs its own `train_step` on the same micro-batches and loss
+(`mm_grpo/training/mindspeed_grpo.py`).
+
+`TrainingRun.train` is the loop: iterations from the resumed one to --train-iters, each
+`step(iteration)`, logged; held-out evaluation before training and every --eval-interval,
+image grids every --save-image-interval, checkpoints every --save-interval and at the end.
+"""
+import math
+import os
+import time
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from mm_grpo.parallel.pipeline import forward_backward
+from mm_grpo.parallel.state import dp_mean
+from mm_grpo.training.checkpointing import load_checkpoint, save_checkpoint
+from mm_grpo.training.logging_utils import TrainLogger
+
+
+def all_finite(loss: float, ddp_chunks) -> bool:
+    """The loss and every gradient finite, agreed by all ranks (the optimizer step is collective,
+    so either every rank steps or none does). The flag lives on the parameters' device:
+    NCCL / HCCL reduce accelerator tensors only."""
+    params = [p for chunk in ddp_chunks for p in chunk.parameters() if p.requires_grad]
+    finite = math.isfinite(loss) and all(bool(torch.isfinite(getattr(p, "main_grad", p.grad)).all()) for p in params)
+    flag = torch.tensor(1.0 if finite else 0.0, device=params[0].device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def optimizer_step(chunks, optimizer, scheduler, micro_batches: Sequence[Dict],
+                   loss_fn) -> Tuple[List[Dict], Dict[str, float]]:
+    """One optimizer step of this rank's DDP model `chunks` over its `micro_batches`.
+
+    loss_fn(output, micro_batch) -> (loss, stats) runs on the last pipeline stage. Returns the
+    per-micro-batch results of `forward_backward` and the step's stats: loss (averaged over
+    micro-batches and data-parallel ranks), grad_norm, skipped, lr. A non-finite loss or gradient
+    on any rank skips the step on every rank."""
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    per_mb = forward_backward(chunks, micro_batches, loss_fn)
+    loss = dp_mean(torch.stack([m["loss"].float() for m in per_mb]).mean())
+    if not all_finite(loss, chunks):
+        return per_mb, {"loss": loss, "skipped": 1.0, "grad_norm": float("nan"),
+                        "skip_reason": "non-finite loss or gradient"}
+    ok, grad_norm, _ = optimizer.step()
+    if ok:
+        scheduler.step(increment=1)
+    return per_mb, {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+                    "skipped": 0.0 if ok else 1.0, "lr": optimizer.param_groups[0]["lr"]}
+
+
+class TrainingRun:
+    """What a trainer defines for the loop: `args`, `model` (a `Trainable`), `settings` (with
+    `global_batch_size`), `evaluator` (or None), `step(iteration) -> stats`; optionally
+    `checkpoint_extras()` and `finish()`. `resume()` after building loads a training checkpoint."""
+
+    def __init__(self, args):
+        self.args = args
+        self.start_iteration = 0
+        self.evaluations = {}  # iteration -> held-out stats, across resumes (checkpointed)
+        self.first_eval = self.last_eval = None  # this run's first and last EvalResult
+
+    def step(self, iteration: int) -> Dict:
+        raise NotImplementedError
+
+    def checkpoint_extras(self) -> Dict:
+        """What a checkpoint holds besides the model, optimizer, scheduler, RNG and iteration."""
+        return {}
+
+    def finish(self):
+        """Called once after the last iteration (every rank)."""
+
+    # --- the loop ---------------------------------------------------------------------
+    def train(self) -> List[Dict]:
+        args = self.args
+        logger = TrainLogger(args.tensorboard_dir, args.train_iters, self.start_iteration,
+                             progress_bar=not args.no_progress_bar, log_interval=args.log_interval)
+        history = []
+        try:
+            if self.evaluator and args.eval_interval and self.start_iteration < args.train_iters:
+                self.evaluate(self.start_iteration, logger)  # before training
+            for it in range(self.start_iteration, args.train_iters):
+                start = time.time()
+                stats = self.step(it)
+                stats["samples_per_second"] = self.settings.global_batch_size / (time.time() - start)
+                history.append(stats)
+                logger.log(it + 1, stats)
+                done = it + 1
+                eval_due = bool(args.eval_interval) and (done % args.eval_interval == 0 or done == args.train_iters)
+                image_due = bool(args.save_image_interval) and done % args.save_image_interval == 0
+                if (eval_due or image_due) and self.evaluator:
+                    result = self.evaluate(done, logger, log_stats=eval_due, save_images=image_due)
+                    if eval_due:
+                        stats.update(result.stats)
+                if args.save and args.save_interval and done % args.save_interval == 0:
+                    self.save(done)
+            ran = self.start_iteration < args.train_iters  # a resume past --train-iters trains nothing
+            if args.save and ran and (not args.save_interval or args.train_iters % args.save_interval):
+                self.save(args.train_iters)
+            if ran:
+                self.finish()
+        finally:
+            logger.close()
+        return history
+
+    # --- evaluation ---------------------------------------------------------------------
+    def evaluate(self, iteration, logger=None, log_stats=True, save_images=False):
+        """Held-out evaluation of the current policy, recorded in `evaluations` (iteration -> stats)
+        and kept as `first_eval` / `last_eval` of this run. With a logger: its stats logged
+        (`log_stats`) and / or its first 16 images saved as a grid."""
+        result = self.evaluator(self.model.modules)
+        self.evaluations[iteration] = result.stats
+        self.first_eval = self.first_eval or result
+        self.last_eval = result
+        if logger is not None and log_stats:
+            logger.log_eval(iteration, result.stats)
+        if logger is not None and save_images and self.image_dir:
+            logger.image_grid(iteration, result.images[:16], os.path.join(self.image_dir, f"eval_{iteration:06d}.png"))
+        return result
+
+    @property
+    def run_dir(self):
+        return self.args.tensorboard_dir or self.args.save
+
+    @property
+    def image_dir(self):
+        return os.path.join(self.run_dir, "samples") if self.run_dir else None
+
+    # --- checkpoints ------------------------------------------------------------------
+    def save(self, iteration):
+        m = self.model
+        save_checkpoint(self.args.save, iteration, m.chunks, m.optimizer, m.scheduler, m.meta,
+                        {"iteration": iteration, "evaluations": self.evaluations, **self.checkpoint_extras()})
+
+    def resume(self) -> Dict:
+        """Weights, optimizer, scheduler, RNG, iteration and evaluations from --load; the other extras."""
+        m, args = self.model, self.args
+        self.start_iteration, extra = load_checkpoint(args.load, m.chunks, m.optimizer, m.scheduler,
+                                                      load_optim=not args.no_load_optim, load_rng=not args.no_load_rng)
+        self.evaluations = dict(extra.get("evaluations", {}))
+        return extra
