@@ -23,6 +23,7 @@ import io
 import os
 import random
 import sys
+import tempfile
 import types
 
 import numpy as np
@@ -40,9 +41,13 @@ def _layout():
             parallel_state.get_virtual_pipeline_model_parallel_world_size())
 
 
-def megatron_args(save_dir, mm=None) -> argparse.Namespace:
-    """Megatron-LM's parsed and validated arguments for this process's parallel layout (quietly);
-    `mm`: what MindSpeed-MM's merge_mm_args sets (its model.json, data.json... as `args.mm`)."""
+def megatron_args(save_dir, mm_model=None) -> argparse.Namespace:
+    """Megatron-LM's parsed and validated arguments for this process's parallel layout (quietly).
+
+    Once MindSpeed-MM is imported its patches are in force: Megatron's validate_args then needs
+    MindSpeed-MM's own arguments and sets `args.mm` from `--mm-model` (model.json) as in
+    pretrain_sora.py; `mm_model` is that file (without MindSpeed-MM imported, args.mm is set the
+    same way here)."""
     from megatron.training.arguments import parse_args, validate_args
     tp, pp, vpp = _layout()
     argv = ["pretrain_sora.py", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -51,16 +56,30 @@ def megatron_args(save_dir, mm=None) -> argparse.Namespace:
             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
             "--distributed-backend", "gloo", "--save", str(save_dir), "--load", str(save_dir),
             "--save-interval", "1", "--ckpt-format", "torch"]
-    saved = sys.argv
-    sys.argv = argv
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
-            args = parse_args(None, ignore_unknown_args=True)
-            validate_args(args, {})
-    finally:
-        sys.argv = saved
-    if mm is not None:
-        args.mm = mm
+    patched = "mindspeed_mm" in sys.modules
+    extra_args_provider = None
+    with tempfile.TemporaryDirectory() as tmp:
+        if patched:  # MindSpeed-MM's validate_args requires a model.json
+            from mindspeed_mm.configs.config import mm_extra_args_provider as extra_args_provider
+            if mm_model is None:
+                mm_model = os.path.join(tmp, "model.json")
+                with open(mm_model, "w") as f:
+                    f.write("{}")
+            argv += ["--mm-model", str(mm_model)]
+        saved, saved_env = sys.argv, dict(os.environ)
+        sys.argv = argv
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # MindSpeed-MM's launch scripts export it
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
+                args = parse_args(extra_args_provider, ignore_unknown_args=True)
+                validate_args(args, {})
+        finally:
+            sys.argv = saved
+            os.environ.clear()
+            os.environ.update(saved_env)
+    if mm_model is not None and not patched:
+        from mindspeed_mm.configs.config import MMConfig
+        args.mm = MMConfig({"model": str(mm_model)})
     return args
 
 
@@ -95,10 +114,11 @@ def cuda_on_cpu():
         checkpointing.torch = saved
 
 
-def real_save(save_dir, iteration, chunks, mm=None):
-    """Megatron-LM's save_checkpoint of this rank's chunks (collective)."""
+def real_save(save_dir, iteration, chunks, mm_model=None):
+    """Megatron-LM's save_checkpoint of this rank's chunks (collective); `mm_model`: the run's
+    model.json, which MindSpeed-MM keeps in args.mm."""
     from megatron.training.global_vars import set_args
-    set_args(megatron_args(save_dir, mm))
+    set_args(megatron_args(save_dir, mm_model))
     with cuda_on_cpu() as checkpointing, contextlib.redirect_stdout(io.StringIO()):
         checkpointing.save_checkpoint(iteration, list(chunks), None, None, 0)
 

@@ -1,9 +1,11 @@
-"""Converted Megatron shards loaded into a TP = 2 / 4 model (one torchrun rank per TP rank)."""
+"""Converted Megatron shards loaded into a TP = 2 / 4 model (one torchrun rank per TP rank); checkpoints
+that Megatron saved at TP 2 x PP 2 and PP 2 x 2 virtual chunks read back without mm-grpo metadata."""
 import shutil
 import tempfile
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from converters.convert_cli import main as mm_convert
 from mm_grpo.checkpoint import load_megatron_checkpoint
@@ -58,3 +60,43 @@ def converted_shards_load_at_tp():
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _megatron_saved(parallel, pp_layers):
+    """This layout's chunks, saved as Megatron saves them (tests/megatron_save.py), read back on
+    rank 0 without mm-grpo metadata: the inferred layout, and mm_to_hf (with --cfg.hf_dir, which
+    gives axes_dims_rope) against the diffusers weights."""
+    from mm_grpo.checkpoint import CheckpointMeta, iteration_dir
+    from mm_grpo.parallel.pipeline import build_model_chunks, load_hf_weights_into_chunks
+    from tests.megatron_save import megatron_save
+    ref = random_reference(CONFIG, seed=13)
+    paths = [tempfile.mkdtemp(prefix="checks_convert-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(paths, src=0)
+    tmp = paths[0]
+    try:
+        initialize_parallel(parallel)
+        chunks = load_hf_weights_into_chunks(build_model_chunks(CONFIG, pp_layers), ref.state_dict())
+        writer = megatron_save(f"{tmp}/ckpt", 9, chunks)
+        if dist.get_rank() != 0:
+            return {}
+        meta = CheckpointMeta.load(iteration_dir(f"{tmp}/ckpt"), CONFIG)
+        ref.save_pretrained(f"{tmp}/hf")
+        mm_convert(["FluxConverter", "mm_to_hf", "--cfg.source_path", f"{tmp}/ckpt", "--cfg.target_path",
+                    f"{tmp}/out", "--cfg.hf_dir", f"{tmp}/hf"])
+        got = load_file(f"{tmp}/out/diffusion_pytorch_model.safetensors")
+        exact = set(got) == set(ref.state_dict()) and all(torch.equal(got[k], t) for k, t in ref.state_dict().items())
+        return {"writer": writer, "tp": meta.tp_size, "pp_layers": meta.pp_layers, "bit_exact": exact}
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@check(4)
+def megatron_saved_tp2_pp2_reads():
+    return _megatron_saved(ParallelConfig(tp=2, pp=2), [2, 4])
+
+
+@check(2)
+def megatron_saved_pp2_vpp2_reads():
+    return _megatron_saved(ParallelConfig(pp=2, vpp=2), [[1, 2], [2, 1]])
