@@ -31,6 +31,9 @@
 #   SAVE_INTERVAL LOG_INTERVAL     checkpoint and log intervals in iterations
 #   RUN_DIR        output folder (TensorBoard logs, checkpoints, image grids, reward_curve.png and
 #                  before_after.png)
+#   MM_GRPO_ASCEND Ascend install folder (default /usr/local/Ascend): where it exists, its CANN
+#                  cann/set_env.sh (or ascend-toolkit/set_env.sh) is sourced first and torch_npu must
+#                  import (shell/launch_env.sh); MM_GRPO_DEVICE=npu|cuda|cpu forces the device
 set -euo pipefail
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$SCRIPT_DIR/../.." && pwd)"

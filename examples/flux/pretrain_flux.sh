@@ -21,6 +21,9 @@
 #                                   guidance embedding value (3.5)
 #   SAVE_INTERVAL LOG_INTERVAL      checkpoint (500) and log (50) intervals in iterations
 #   RUN_DIR        output folder (TensorBoard logs, checkpoints, sample grids)
+#   MM_GRPO_ASCEND Ascend install folder (default /usr/local/Ascend): where it exists, its CANN
+#                  cann/set_env.sh (or ascend-toolkit/set_env.sh) is sourced first and torch_npu must
+#                  import (shell/launch_env.sh); MM_GRPO_DEVICE=npu|cuda|cpu forces the device
 set -euo pipefail
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$SCRIPT_DIR/../.." && pwd)"
