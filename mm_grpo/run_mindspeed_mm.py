@@ -7,6 +7,7 @@ cuda->npu mapping, then MindSpeed's Megatron adaptor, before Megatron is importe
 registry then adds mm-grpo's predictors to MindSpeed-MM's mapping as it is imported. The script
 runs as `__main__` with its own arguments.
 """
+import os
 import runpy
 import sys
 
@@ -20,6 +21,7 @@ def main(argv=None):
         raise SystemExit("usage: python -m mm_grpo.run_mindspeed_mm SCRIPT.py [ARGS...] "
                          "(a MindSpeed-MM entry script, e.g. pretrain_sora.py)")
     sys.argv = argv
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))  # as `python SCRIPT.py` would
     runpy.run_path(argv[0], run_name="__main__")
 
 

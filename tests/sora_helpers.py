@@ -50,6 +50,7 @@ def set_megatron_args(model_json, data_json, tp=1, pp=1, cp=1, micro_batch=2, ex
             "--mm-model", model_json, "--mm-data", data_json, "--num-layers", "1", "--hidden-size", "64",
             "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
             "--ckpt-format", "torch", *NO_FUSIONS, *extra]
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # MindSpeed-MM's launch scripts export it; its TP / CP check reads it
     saved, sys.argv = sys.argv, argv
     try:
         args = arguments.parse_args(mm_extra_args_provider)

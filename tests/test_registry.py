@@ -5,6 +5,7 @@ Multi-process layouts (TP2, PP2, virtual stages) through the real PredictModel:
 tests/distributed/test_mindspeed_mm_predictor.py."""
 import contextlib
 import io
+import os
 import subprocess
 import sys
 
@@ -54,6 +55,12 @@ def test_with_pipeline_num_layers_num_layers_counts_all_blocks():
                           r"with pipeline_num_layers, num_layers counts all blocks .* = 6, num_layers = 2")
     assert_one_line_error(lambda: flux_config_from_block(inline_block(num_layers=3, pipeline_num_layers=[1, 2])),
                           "sum\\(pipeline_num_layers\\) = 3 is less than num_single_layers = 4")
+
+
+def test_shipped_mindspeed_mm_config_is_flux_dev():
+    from mm_grpo.jsonfile import load_json
+    block = load_json(os.path.join(REPO, "examples/flux/mindspeed_mm/pretrain_model.json"), "model.json")["predictor"]
+    assert flux_config_from_block(block) == FluxConfig.preset("flux-dev", bf16=True, recompute_blocks=True)
 
 
 def test_from_pretrained_must_be_one_file(parallel_1proc, tmp_path):

@@ -21,7 +21,7 @@ from mm_grpo.parallel import ParallelConfig, initialize_parallel
 from mm_grpo.parallel.pipeline import forward_backward
 from tests.distributed.worker import check
 from tests.testbed import install_standins
-from tests.utils import make_inputs, random_reference, reference_output, rel_err
+from tests.utils import gather_tp, make_inputs, random_reference, reference_output, rel_err
 
 install_standins()
 import mm_grpo.models.registry  # noqa: E402,F401  (registers flux as MindSpeed-MM imports it)
@@ -101,3 +101,120 @@ def predict_model_pp2_vpp2_matches_diffusers():
 @check(4)
 def predict_model_tp2_pp2_matches_diffusers():
     return _compare(ParallelConfig(tp=2, pp=2), pipeline_num_layers=[4, 4])
+
+
+# --- flow matching through MindSpeed-MM's own pretrain_sora.py ------------------------------
+def _sora_loss(tmp, ref, tp=1, cp=1):
+    """pretrain_sora.py's model provider, forward step and loss at TP x CP on one feature batch,
+    backpropagated and averaged as Megatron's schedule and DDP do: (the loss, i.e. loss_func's
+    times CP; what the scheduler drew; the model; its full, TP-gathered gradients)."""
+    from tests.sora_helpers import feature_batch, pretrain_sora, record_q_sample, set_megatron_args, write_configs
+    initialize_parallel(ParallelConfig(tp=tp, cp=cp))
+    set_megatron_args(*write_configs(tmp, CONFIG, ref.state_dict()), tp=tp, cp=cp)
+    sora = pretrain_sora()
+    with contextlib.redirect_stdout(io.StringIO()):
+        model = sora["model_provider"]()
+    drawn = record_q_sample(model)
+    torch.manual_seed(7)  # the scheduler's draws: the same on every rank
+    output, loss_func = sora["forward_step"](iter([feature_batch(CONFIG)]), model)
+    loss = loss_func(output)[0] * cp  # what Megatron's schedule backpropagates
+    loss.sum().backward()
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    for p in model.predictor.parameters():  # Megatron DDP: the average over data x context parallel ranks
+        dist.all_reduce(p.grad, group=group)
+        p.grad /= group.size()
+    return loss, drawn[0], model, gather_tp(model.predictor, "grad")
+
+
+def _our_flow_loss(ref, drawn):
+    """mm-grpo's flow-matching loss on the scheduler's draw, single-process model, times the
+    scheduler's timestep weight (tests/test_mindspeed_mm_sora.py shows the single-process case)."""
+    from mm_grpo.flow.matching import flow_matching_loss
+    from mm_grpo.models.flux import FluxTransformer
+    from mm_grpo.models.flux.hf_weights import load_hf_weights
+    from mm_grpo.pipeline.latents import pack_latents, prepare_latent_image_ids
+    from tests.sora_helpers import feature_batch
+    batch = feature_batch(CONFIG)
+    noised, noise, timestep = drawn
+    initialize_parallel(ParallelConfig())
+    ours = load_hf_weights(FluxTransformer(CONFIG), ref.state_dict())
+    t5, pooled = batch["prompt_ids"]
+    v = ours(pack_latents(noised), t5, pooled, (timestep / 1000).expand(2), prepare_latent_image_ids(4, 4),
+             torch.zeros(t5.shape[1], 3), guidance=torch.full((2,), 3.5))
+    loss = flow_matching_loss(v, pack_latents(batch["video"]), pack_latents(noise)).mean()
+    return loss, ours
+
+
+def _sora_matches(tp=1, cp=1):
+    ref = random_reference(CONFIG, seed=8)
+    with tempfile.TemporaryDirectory() as tmp:
+        loss, drawn, model, full = _sora_loss(tmp, ref, tp=tp, cp=cp)
+    weight = model.diffusion._training_weight(drawn[2])
+    ours_loss, ours = _our_flow_loss(ref, drawn)
+    expected = weight * ours_loss
+    expected.backward()
+    ref_grads = dict(ours.named_parameters())
+    grad_err = max(rel_err(g, ref_grads[name].grad) for name, g in full.items())
+    return {"loss": loss.item(), "expected": expected.item(), "n_grads": len(full),
+            "loss_err": _world_max(abs(loss.item() - expected.item()) / abs(expected.item())),
+            "grad_err": _world_max(grad_err)}
+
+
+@check(2)
+def pretrain_sora_flow_step_tp2_matches_mm_grpo():
+    return _sora_matches(tp=2)
+
+
+@check(2)
+def pretrain_sora_flow_step_cp2_matches_mm_grpo():
+    return _sora_matches(cp=2)
+
+
+def sora_pp2_flow_step_matches_mm_grpo():
+    """pretrain_sora.py under pipeline parallelism: its model provider (the predictor's pipeline
+    tensor shapes), forward step and MindSpeed's multi-tensor pipeline schedule, as MindSpeed-MM's
+    `pretrain` drives them with --use-multiparameter-pipeline-model-parallel (which must be on
+    this process's command line: tests/distributed/sora_pp_worker.py)."""
+    from megatron.core.enums import ModelType
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from tests.sora_helpers import feature_batch, pretrain_sora, record_q_sample, set_megatron_args, write_configs
+    ref = random_reference(CONFIG, seed=8)
+    with tempfile.TemporaryDirectory() as tmp:
+        initialize_parallel(ParallelConfig(pp=2))
+        set_megatron_args(*write_configs(tmp, CONFIG, ref.state_dict(), predictor_extra={
+            "pipeline_num_layers": [3, 5], "num_layers": 8, "text_len": 7}), pp=2,
+            extra=("--use-multiparameter-pipeline-model-parallel",))
+        sora = pretrain_sora()
+        with contextlib.redirect_stdout(io.StringIO()):
+            model = sora["model_provider"]()
+    model.model_type = ModelType.encoder_or_decoder  # what Megatron's get_model sets on each chunk
+    drawn = record_q_sample(model)
+    torch.manual_seed(7)
+    losses = get_forward_backward_func()(
+        forward_step_func=sora["forward_step"], data_iterator=iter([feature_batch(CONFIG)]), model=[model],
+        num_microbatches=1, seq_length=0, micro_batch_size=2, forward_only=False)
+    # The first stage drew the noise; the last computed the loss: share both.
+    shared = [drawn[0] if drawn else None, losses[0]["loss"].item() if losses else None]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, shared)
+    draw, loss = everyone[0][0], everyone[-1][1]
+    grads = {}
+    for rule_name, g in gather_tp(model.predictor, "grad").items():
+        grads[rule_name] = g
+    weight = model.diffusion._training_weight(draw[2])
+    ours_loss, ours = _our_flow_loss(ref, draw)
+    expected = weight * ours_loss
+    expected.backward()
+    return {"loss": loss, "expected": expected.item(),
+            "loss_err": _world_max(abs(loss - expected.item()) / abs(expected.item())),
+            "grad_err": _world_max(_stage_grad_err(model.predictor, grads, ours))}
+
+
+def _stage_grad_err(stage, grads, ours):
+    """Worst relative error of a pipeline stage's gradients against the single-process model's,
+    matched through their diffusers names (stage blocks are numbered locally)."""
+    from mm_grpo.models.flux import layout
+    ref_rules = {r.hf: r.megatron for r in layout.stage_rules(ours.flux_config)}
+    ref_params = dict(ours.named_parameters())
+    rules = layout.stage_rules(stage.flux_config, stage.block_range, stage.pre_process, stage.post_process)
+    return max(rel_err(grads[r.megatron], ref_params[ref_rules[r.hf]].grad) for r in rules)

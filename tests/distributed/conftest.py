@@ -1,28 +1,35 @@
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
 from mm_grpo.parallel.state import _free_port
+from tests.testbed import has_megatron_training, subprocess_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCH_TIMEOUT_S = 900
 
 
-def _launch(nproc, tmp_dir, extra_env):
+def launch(nproc, tmp_dir, extra_env, module="tests.distributed.worker", args=()):
+    """torchrun --nproc_per_node nproc -m module OUT.json *args -> the results it wrote to OUT.json."""
     out = os.path.join(tmp_dir, f"results_{nproc}.json")
     log = os.path.join(tmp_dir, f"torchrun_{nproc}.log")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={_free_port()}", "-m", "tests.distributed.worker", out]
+           f"--master_port={_free_port()}", "-m", module, out, *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", MM_GRPO_DEVICE="cpu", PYTHONWARNINGS="ignore", **extra_env)
+    if has_megatron_training():  # MindSpeed-MM's environment: the testbed in every worker
+        env = subprocess_env(env)
     with open(log, "w") as f:
+        # A session of its own, so that a launch that times out is stopped with all its workers.
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                  timeout=LAUNCH_TIMEOUT_S)
-            rc = proc.returncode
+            rc = proc.wait(timeout=LAUNCH_TIMEOUT_S)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             rc = "timeout"
     with open(log) as f:
         tail = f.read()[-6000:]
@@ -46,7 +53,7 @@ def torchrun(tmp_path_factory, tiny_pipeline_dir, grpo_out_dir):
 
     def results(nproc):
         if nproc not in cache:
-            cache[nproc] = _launch(nproc, str(tmp_path_factory.mktemp(f"torchrun{nproc}")), env)
+            cache[nproc] = launch(nproc, str(tmp_path_factory.mktemp(f"torchrun{nproc}")), env)
         return cache[nproc]
     return results
 

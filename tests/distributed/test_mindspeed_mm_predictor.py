@@ -2,7 +2,7 @@
 PP2 x 2 virtual stages and TP2 x PP2: checks in tests/distributed/checks_mindspeed_mm.py."""
 import pytest
 
-from tests.distributed.conftest import check_result
+from tests.distributed.conftest import check_result, launch
 
 pytestmark = pytest.mark.mindspeed_mm
 TOL = 1e-5
@@ -19,3 +19,25 @@ def test_predict_model_builds_loads_and_matches_diffusers(torchrun, nproc, layou
     assert m["clean_load"], "MindSpeed-MM's load_checkpoint reported missing or unexpected keys"
     assert [[tuple(b) for b in rank] for rank in m["blocks"]] == blocks  # (double, single) per chunk
     assert m["out_err"] <= TOL
+
+
+@pytest.mark.parametrize("layout", ["tp2", "cp2"])
+def test_pretrain_sora_flow_step_equals_mm_grpo(torchrun, layout):
+    """MindSpeed-MM's pretrain_sora.py forward step + loss at TP2 / Ulysses CP2, backpropagated
+    and averaged as Megatron does: loss and every gradient equal mm-grpo's single-process
+    flow-matching loss (times the scheduler's timestep weight)."""
+    m = check_result(torchrun(2), f"pretrain_sora_flow_step_{layout}_matches_mm_grpo")
+    assert m["n_grads"] > 50
+    assert m["loss_err"] <= TOL
+    assert m["grad_err"] <= TOL
+
+
+def test_pretrain_sora_flow_step_under_pipeline_parallelism(tmp_path):
+    """pretrain_sora.py at PP2 through MindSpeed's multi-tensor pipeline schedule (the predictor's
+    initialize_pipeline_tensor_shapes and pipeline_set_*_stage_tensor): loss and every stage's
+    gradients equal mm-grpo's single-process flow-matching step."""
+    results = launch(2, str(tmp_path), {}, module="tests.distributed.sora_pp_worker",
+                     args=("--use-multiparameter-pipeline-model-parallel",))
+    m = check_result(results, "sora_pp2_flow_step_matches_mm_grpo")
+    assert m["loss_err"] <= TOL
+    assert m["grad_err"] <= TOL

@@ -177,6 +177,10 @@ class FluxPredictor(FluxTransformer):
                               torch.zeros(n_txt, 3, device=sigma.device), guidance=guidance)
         if not self.post_process:
             return out
+        # pretrain_sora.py's loss_func divides the loss by the context-parallel size, so that
+        # Megatron's scaling by it cancels; MindSpeed-MM's DiTs scale the gradient in their
+        # gather's backward instead. (mm-grpo's own loss keeps Megatron's scaling.)
+        out = _scale_grad(out, parallel_state.get_context_parallel_world_size())
         return unpack_latents(out, h * VAE_SCALE_FACTOR, w * VAE_SCALE_FACTOR).reshape(shape)
 
     # MindSpeed-MM's pipeline contract (pretrain_sora.py / SoRAModel under PP): the tensors that
@@ -210,6 +214,22 @@ class FluxPredictor(FluxTransformer):
         if not is_diffusers_state_dict(state_dict):
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
         return load_diffusers_state_dict(self, state_dict, strict)
+
+
+class _GradScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def _scale_grad(x, scale):
+    """x, with its gradient multiplied by `scale` on the way back."""
+    return x if scale == 1 else _GradScale.apply(x, scale)
 
 
 def _text_features(prompt):
