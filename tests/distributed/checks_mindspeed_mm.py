@@ -198,16 +198,21 @@ def sora_pp2_flow_step_matches_mm_grpo():
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, shared)
     draw, loss = everyone[0][0], everyone[-1][1]
-    grads = {}
-    for rule_name, g in gather_tp(model.predictor, "grad").items():
-        grads[rule_name] = g
+    grads = gather_tp(model.predictor, "grad")
     weight = model.diffusion._training_weight(draw[2])
     ours_loss, ours = _our_flow_loss(ref, draw)
     expected = weight * ours_loss
     expected.backward()
     return {"loss": loss, "expected": expected.item(),
             "loss_err": _world_max(abs(loss - expected.item()) / abs(expected.item())),
-            "grad_err": _world_max(_stage_grad_err(model.predictor, grads, ours))}
+            "grad_err": _world_max(_stage_grad_err(model.predictor, grads, ours)),
+            "n_grads": _world_sum(len(grads)), "min_grad_norm": -_world_max(-min(g.norm().item() for g in grads.values()))}
+
+
+def _world_sum(value):
+    t = torch.tensor(float(value), dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item()
 
 
 def _stage_grad_err(stage, grads, ours):

@@ -8,10 +8,11 @@
 # Features (feature_data.json): one .pt per sample with "video" (FLUX VAE latents [16, H/8, W/8],
 # scaled and shifted) and "prompt_ids" ([T5 hidden states [512, 4096], pooled CLIP [768]]).
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-# CANN first, as every MindSpeed-MM script does (older installs: the ascend-toolkit path)
-CANN_SET_ENV=${CANN_SET_ENV:-/usr/local/Ascend/cann/set_env.sh}
-[ -f "$CANN_SET_ENV" ] || CANN_SET_ENV=/usr/local/Ascend/ascend-toolkit/set_env.sh
-source "$CANN_SET_ENV"
+# CANN first, as every MindSpeed-MM script does (older installs: the ascend-toolkit path);
+# MM_GRPO_ASCEND is the Ascend folder, as in shell/launch_env.sh.
+ASCEND_DIR=${MM_GRPO_ASCEND:-/usr/local/Ascend}
+if [ -f "$ASCEND_DIR/cann/set_env.sh" ]; then source "$ASCEND_DIR/cann/set_env.sh"
+else source "$ASCEND_DIR/ascend-toolkit/set_env.sh"; fi
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 export ASCEND_SLOG_PRINT_TO_STDOUT=0
 export ASCEND_GLOBAL_LOG_LEVEL=3
