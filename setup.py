@@ -8,8 +8,6 @@ setup(
     packages=find_packages(include=["mm_grpo", "mm_grpo.*", "converters", "converters.*"]),
     install_requires=[
         "torch>=2.4",
-        # 0.12.x is MindSpeed's pin; 0.16.1 is the newest for Python 3.11.
-        "megatron-core>=0.12,<0.17",
         "diffusers>=0.32",
         "transformers>=4.45",
         "safetensors>=0.4",
@@ -25,7 +23,14 @@ setup(
         "pillow",
         "accelerate",  # diffusers' low-memory loading
     ],
-    # torch_npu / mindspeed are used when present and never required.
-    extras_require={"test": ["pytest>=8"], "npu": ["torch_npu", "mindspeed"]},
+    extras_require={
+        "test": ["pytest>=8"],
+        # megatron-core is an extra, so that an environment with Megatron-LM's tree on PYTHONPATH
+        # (MindSpeed-MM's) does not get a second megatron. 0.12.x is MindSpeed's pin; 0.16.1 the
+        # newest for Python 3.11; `import mm_grpo` checks the version of whichever is in use.
+        "megatron": ["megatron-core>=0.12,<0.17"],
+        # torch_npu / mindspeed are used when present and never required.
+        "npu": ["torch_npu", "mindspeed"],
+    },
     entry_points={"console_scripts": ["mm-convert = converters.convert_cli:main"]},
 )

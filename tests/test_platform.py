@@ -4,7 +4,6 @@ Megatron itself on CPU (each patched call, DDP + optimizer + schedule) is in
 test_platform_megatron.py.
 """
 import importlib
-import importlib.metadata
 import inspect
 import json
 import os
@@ -17,6 +16,7 @@ import torch
 
 import mm_grpo  # noqa: F401  (runs init_platform)
 from mm_grpo.platform import Platform, adaptor, cpu_patches, get_platform, init_platform
+from tests.utils import assert_one_line_error
 
 
 # ---- the platform of this process -----------------------------------------------------------
@@ -26,7 +26,10 @@ def test_cpu_platform_contract():
     assert isinstance(p, Platform)
     assert (p.name, p.device, p.dist_backend) == ("cpu", torch.device("cpu"), "gloo")
     assert p.patches == tuple(x.name for x in cpu_patches.CPU_PATCHES if x.needed())
-    assert p.patches == ("cuda_device_string", "cuda_tensor_type", "torch_cuda_calls", "cuda_rng_state")
+    assert p.patches[:4] == ("cuda_device_string", "cuda_tensor_type", "torch_cuda_calls", "cuda_rng_state")
+    megatron_0_12 = {"tensor_cuda_method", "async_save_sync", "fp8_cast_without_fp8"}
+    assert (megatron_0_12 & set(p.patches)) == (
+        megatron_0_12 if cpu_patches.megatron_core_version() < (0, 13) else set())
     assert init_platform() is p and init_platform(force="cpu") is p  # idempotent
 
 
@@ -274,17 +277,113 @@ def test_cpu_patches_reached_their_imported_targets():
     for patch in cpu_patches.CPU_PATCHES:
         if patch.needed():
             imported = {t for t in patch.targets if t in sys.modules}
-            assert imported and imported <= set(cpu_patches.applied_targets(patch.name)), patch.name
+            assert imported <= set(cpu_patches.applied_targets(patch.name)), patch.name
+            # megatron.core's targets are all imported by now (megatron.training is not always there)
+            assert imported or not any(t.startswith("megatron.core.") for t in patch.targets), patch.name
 
 
-def test_tensor_cuda_noop_only_for_megatron_0_12(monkeypatch):
-    patch = next(p for p in cpu_patches.CPU_PATCHES if p.name == "tensor_cuda_noop")
-    assert cpu_patches.megatron_core_version() == tuple(
-        int(x) for x in importlib.metadata.version("megatron-core").split(".")[:2])
+def test_megatron_0_12_patches_only_for_megatron_0_12(monkeypatch):
+    from megatron.core import package_info
+    assert cpu_patches.megatron_core_version() == (package_info.MAJOR, package_info.MINOR)
+    gated = [p for p in cpu_patches.CPU_PATCHES
+             if p.name in ("tensor_cuda_method", "async_save_sync", "fp8_cast_without_fp8")]
+    assert len(gated) == 3
     for version, needed in [((0, 12), True), ((0, 16), False), (None, False)]:
         monkeypatch.setattr(cpu_patches, "megatron_core_version", lambda v=version: v)
-        assert patch.needed() is needed
-    monkeypatch.setattr(torch.Tensor, "cuda", torch.Tensor.cuda)  # restored after the test
-    patch.apply(torch)
+        assert all(patch.needed() is needed for patch in gated)
+
+
+def test_method_rename_only_where_the_name_is_only_a_method():
+    def method_only(t):
+        inner = lambda: t.cuda()  # noqa: E731
+        return t.cuda(), inner()
+
+    def also_attribute(t):
+        return t.cuda(), torch.cuda.is_available
+
     t = torch.ones(2)
-    assert t.cuda() is t and t.cuda(0, non_blocking=True) is t
+    for fn in (method_only, also_attribute):
+        with pytest.raises((RuntimeError, AssertionError)):  # no GPU
+            fn(t)
+        fn.__code__ = cpu_patches._rename_methods(fn.__code__, {"cuda": "cpu"})
+    assert all(r is t for r in method_only(t))  # Tensor.cpu() of a CPU tensor is the tensor
+    with pytest.raises((RuntimeError, AssertionError)):  # `torch.cuda` beside it: left as it was
+        also_attribute(t)
+
+
+def test_fp8_cast_without_fp8_params_does_nothing():
+    module = type(sys)("fake_fp8_utils")
+
+    def raise_without_te(*args, **kwargs):
+        raise RuntimeError("Invalid Transformer Engine version for FP8 distributed optimizer")
+
+    module._quantize_param_shard_impl = raise_without_te
+    patch = next(p for p in cpu_patches.CPU_PATCHES if p.name == "fp8_cast_without_fp8")
+    patch.apply(module)
+    assert module._quantize_param_shard_impl([], [], [], None) is None
+    with pytest.raises(RuntimeError, match="Transformer Engine"):
+        module._quantize_param_shard_impl([torch.ones(1)], [torch.ones(1)], [0], None)
+
+
+# ---- the megatron-core in use -----------------------------------------------------------------
+
+def test_import_names_the_megatron_core_in_use():
+    import megatron.core
+    from megatron.core import package_info
+    used = mm_grpo.MEGATRON
+    assert used.path == os.path.realpath(os.path.dirname(megatron.core.__file__))
+    assert used.version == (package_info.MAJOR, package_info.MINOR, package_info.PATCH)
+    assert str(used) == f"megatron.core {package_info.__version__} at {used.path}"
+
+
+@pytest.mark.parametrize("version, supported", [
+    ((0, 11, 0), False), ((0, 12, 1), True), ((0, 13, 0), True), ((0, 16, 1), True), ((0, 17, 0), False),
+    ((1, 0, 0), False)])
+def test_megatron_core_versions(monkeypatch, version, supported):
+    from mm_grpo.platform import megatron_core
+    core = megatron_core.MegatronCore("/x/megatron/core", version)
+    monkeypatch.setattr(megatron_core, "find_megatron_core", lambda: core)
+    if supported:
+        assert megatron_core.check_megatron_core() is core
+    else:
+        assert_one_line_error(megatron_core.check_megatron_core,
+                              rf"megatron.core {'.'.join(map(str, version))} at /x/megatron/core is not "
+                              r"supported: mm_grpo runs on megatron-core 0.12.x to 0.16.x", ImportError)
+
+
+def test_missing_megatron_core_is_refused(monkeypatch):
+    from mm_grpo.platform import megatron_core
+    monkeypatch.setattr(megatron_core, "find_megatron_core", lambda: None)
+    assert_one_line_error(megatron_core.check_megatron_core,
+                          r"mm_grpo needs megatron.core and none is importable: pip install -e \"\.\[megatron\]\"",
+                          ImportError)
+
+
+def _fake_megatron_tree(root, version):
+    core = root / "megatron" / "core"
+    core.mkdir(parents=True)
+    (core / "__init__.py").write_text("")
+    major, minor, patch = version
+    (core / "package_info.py").write_text(f"MAJOR = {major}\nMINOR = {minor}\nPATCH = {patch}\n")
+    return os.path.realpath(core)
+
+
+@pytest.mark.parametrize("version", [(0, 17, 0), (0, 13, 2)], ids=["unsupported", "supported"])
+def test_import_with_a_second_megatron_tree_first_on_the_path(tmp_path, version):
+    """A Megatron tree put before the installed one is the one used (and named); the other is
+    reported as shadowed, and an unsupported version stops `import mm_grpo` in one line."""
+    fake = _fake_megatron_tree(tmp_path, version)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    code = "import warnings; warnings.simplefilter('always'); import mm_grpo; print('USES', mm_grpo.MEGATRON)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    real = mm_grpo.MEGATRON.path
+    if version == (0, 17, 0):
+        assert proc.returncode != 0
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last == (f"ImportError: megatron.core 0.17.0 at {fake} is not supported: mm_grpo runs on "
+                        "megatron-core 0.12.x to 0.16.x")
+    else:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert f"USES megatron.core 0.13.2 at {fake}" in proc.stdout
+        assert f"two Megatron installs: mm_grpo uses megatron.core 0.13.2 at {fake}; the copy at {real} is shadowed" \
+            in proc.stderr

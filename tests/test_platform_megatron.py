@@ -26,8 +26,7 @@ from megatron.core.enums import ModelType
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
 from megatron.core.optimizer.grad_scaler import DynamicGradScaler
-from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel import get_forward_backward_func, p2p_communication, schedules
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.utils import GlobalMemoryBuffer
@@ -179,6 +178,16 @@ def call_forward_backward():
     return batch, model, losses
 
 
+def call_pipelined_schedule():
+    """The 1F1B schedule itself (one stage here): its token count is the CUDA-only call."""
+    model = TinyMLP(transformer_config())
+    batches = [torch.randn(4, HIDDEN), torch.randn(4, HIDDEN)]
+    losses = schedules.forward_backward_pipelining_without_interleaving(
+        forward_step_func=mse_forward_step, data_iterator=iter(batches), model=[model],
+        num_microbatches=len(batches), seq_length=4, micro_batch_size=4)
+    return batches, model, losses
+
+
 def call_grad_norm():
     grads = [torch.tensor([3.0, 0.0]), torch.tensor([[4.0]])]
     return get_grad_norm_fp32(grads)
@@ -199,7 +208,11 @@ def call_grad_scaler():
 
 
 def call_p2p_shapes():
-    comm = P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), transformer_config())
+    if not hasattr(p2p_communication, "P2PCommunicator"):  # megatron-core 0.12: module functions
+        return p2p_communication._communicate_shapes(None, None, recv_prev=False, recv_next=False,
+                                                     config=transformer_config())
+    comm = p2p_communication.P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(),
+                                             transformer_config())
     return comm._communicate_shapes(None, None, recv_prev=False, recv_next=False)
 
 
@@ -227,11 +240,13 @@ def call_dist_checkpoint():
     return saved, loaded["weight"]
 
 
+# megatron-core 0.12 has no grad-buffer offload.
+HAS_GRAD_BUFFER_OFFLOAD = hasattr(DistributedDataParallel, "offload_grad_buffers")
 CALLS = {fn.__name__: fn for fn in (
     call_model_parallel_seed, call_rng_fork, call_activation_checkpoint, call_gpu_weight_init,
-    call_ddp, call_ddp_offload, call_distrib_optimizer_load_state, call_forward_backward,
-    call_grad_norm, call_clip_grads, call_grad_scaler, call_p2p_shapes, call_global_memory_buffer,
-    call_split_1d_chunks, call_dist_checkpoint)}
+    call_ddp, *([call_ddp_offload] if HAS_GRAD_BUFFER_OFFLOAD else []), call_distrib_optimizer_load_state,
+    call_forward_backward, call_pipelined_schedule, call_grad_norm, call_clip_grads, call_grad_scaler, call_p2p_shapes,
+    call_global_memory_buffer, call_split_1d_chunks, call_dist_checkpoint)}
 
 
 # ---- fixtures -------------------------------------------------------------------------------
@@ -358,6 +373,7 @@ def test_ddp_buffers_are_cpu(world):
     assert len(tensors) == 5 and all(t.device.type == "cpu" for t in tensors)
 
 
+@pytest.mark.skipif(not HAS_GRAD_BUFFER_OFFLOAD, reason="megatron-core 0.12 has no grad-buffer offload")
 def test_ddp_grad_buffers_offload_and_restore(world):
     offloaded_bytes, grads = call_ddp_offload()
     assert offloaded_bytes == 0
@@ -379,6 +395,16 @@ def test_forward_backward_no_pipelining_matches_autograd(world):
     ref_loss = (hidden @ ref.T + model.fc2.bias.detach()).pow(2).mean()
     ref_loss.backward()
     torch.testing.assert_close(losses[0]["loss"], ref_loss.detach())
+    torch.testing.assert_close(model.fc2.weight.grad, ref.grad)
+
+
+def test_pipelined_schedule_matches_autograd(world):
+    batches, model, losses = call_pipelined_schedule()
+    ref = model.fc2.weight.detach().clone().requires_grad_()
+    hidden = [torch.relu(x @ model.fc1.weight.detach().T + model.fc1.bias.detach()) for x in batches]
+    ref_losses = [(h @ ref.T + model.fc2.bias.detach()).pow(2).mean() for h in hidden]
+    (sum(ref_losses) / len(ref_losses)).backward()  # megatron averages over micro-batches
+    torch.testing.assert_close(torch.stack([r["loss"] for r in losses]), torch.stack(ref_losses).detach())
     torch.testing.assert_close(model.fc2.weight.grad, ref.grad)
 
 
@@ -486,6 +512,29 @@ def test_fp32_steps_match_hand_written_adamw(world, distributed_optimizer):
     for name, param, want in zip(PARAM_NAMES, params, ref):
         assert param.device.type == "cpu"
         torch.testing.assert_close(param.detach(), want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+_WITHOUT_TRANSFORMER_ENGINE = """
+import sys, tempfile
+import mm_grpo
+from megatron.core import fp8_utils
+from tests import test_platform_megatron as t
+assert not fp8_utils.HAVE_TE, "this process was to have no Transformer Engine"
+started = t.init_world_size_1(tempfile.mkdtemp())
+t.test_fp32_steps_match_hand_written_adamw(None, distributed_optimizer=True)
+t.destroy_world(started)
+print("STEPPED")
+"""
+
+
+def test_distributed_optimizer_steps_without_transformer_engine():
+    """A process with no Transformer Engine at all (this one may hold MindSpeed's stand-in for
+    it): the distributed optimizer's two steps still equal the hand-written AdamW."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env.pop("MM_GRPO_DEVICE", None)
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_TRANSFORMER_ENGINE], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0 and "STEPPED" in proc.stdout, proc.stderr[-4000:]
 
 
 @pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["optimizer", "distrib_optimizer"])

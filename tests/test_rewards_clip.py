@@ -14,7 +14,7 @@ from PIL import Image
 from torch import nn
 
 from mm_grpo.rewards import build_reward
-from tests.utils import assert_one_line_error
+from tests.utils import assert_one_line_error, clip_pil_image_processor
 
 ARCH = "mmgrpo-tiny-clip"
 PROMPTS = ["a photo of a cat sitting on a red chair", "two dogs playing in the snow", "a bowl of fruit"]
@@ -117,19 +117,23 @@ def hf_clip_dir(tmp_path_factory):
 
 def _hf_reference_features(folder, images, prompts=None):
     # PIL-backend processor: the one PickScore and DDPO's scorer were written against.
-    from transformers import CLIPModel, CLIPTokenizer
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers import CLIPModel, CLIPTokenizerFast
 
     model = CLIPModel.from_pretrained(folder).eval()
-    pixels = CLIPImageProcessorPil.from_pretrained(folder)(images=_pils(images), return_tensors="pt").pixel_values
+    pixels = clip_pil_image_processor().from_pretrained(folder)(images=_pils(images), return_tensors="pt").pixel_values
     with torch.no_grad():
-        image = model.get_image_features(pixel_values=pixels).pooler_output
+        image = _projected(model.get_image_features(pixel_values=pixels))
         text = None
         if prompts is not None:
-            tokenizer = CLIPTokenizer.from_pretrained(folder)
+            tokenizer = CLIPTokenizerFast.from_pretrained(folder)
             tokens = tokenizer(prompts, padding=True, truncation=True, max_length=77, return_tensors="pt")
-            text = model.get_text_features(**tokens).pooler_output
+            text = _projected(model.get_text_features(**tokens))
     return image, text
+
+
+def _projected(features):
+    # transformers 5 returns an output whose pooler_output is the projection; 4.x the tensor itself.
+    return features if torch.is_tensor(features) else features.pooler_output
 
 
 def test_pickscore_matches_reference(hf_clip_dir):

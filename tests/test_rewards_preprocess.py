@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from mm_grpo.rewards import ClipPreprocess, pil_bicubic_resize
+from tests.utils import clip_pil_image_processor
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -40,10 +41,8 @@ def test_matches_open_clip_transform(kind, h, w):
 
 @pytest.mark.parametrize("kind,h,w", SHAPES)
 def test_matches_transformers_pil_processor(kind, h, w):
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
     image = _image(kind, h, w, seed=1)
-    ref = CLIPImageProcessorPil()(images=_pil(image), return_tensors="pt").pixel_values
+    ref = clip_pil_image_processor()()(images=_pil(image), return_tensors="pt").pixel_values
     ours = ClipPreprocess(224, OPENAI_MEAN, OPENAI_STD, crop_offset="floor")(image)
     assert ours.shape == ref.shape
     assert (ours - ref).abs().max() <= 1e-3

@@ -19,6 +19,17 @@ def assert_one_line_error(fn, match, exc=ValueError):
     assert "\n" not in str(info.value)
 
 
+def clip_pil_image_processor():
+    """transformers' PIL-backend CLIP image processor: CLIPImageProcessorPil in transformers 5,
+    CLIPImageProcessor in 4.x (MindSpeed-MM's 4.57)."""
+    try:
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+        return CLIPImageProcessorPil
+    except ModuleNotFoundError:
+        from transformers import CLIPImageProcessor
+        return CLIPImageProcessor
+
+
 def random_reference(config: FluxConfig, seed=0, std=0.1):
     """A diffusers FluxTransformer2DModel with every weight random (no zero-init gates)."""
     from diffusers import FluxTransformer2DModel

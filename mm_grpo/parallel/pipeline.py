@@ -115,6 +115,12 @@ def _run_schedule(model_chunks, micro_batches, loss_func, forward_only, collect_
         forward_only=forward_only, collect_non_loss_data=collect_non_loss_data)
 
 
+def _last_stage() -> bool:
+    """This rank holds the last pipeline stage. megatron-core 0.12 asks the current virtual stage
+    too unless told not to (0.16 does not by default): the schedule leaves it set to any chunk."""
+    return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+
+
 def _broadcast_from_last_stage(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
@@ -142,7 +148,7 @@ def forward_backward(model_chunks: Sequence[FluxTransformer], micro_batches: Seq
         return loss, {"loss": loss.detach().clone(), **stats}
 
     results = _run_schedule(model_chunks, micro_batches, loss_func, forward_only)
-    if not parallel_state.is_pipeline_last_stage():
+    if not _last_stage():
         return _broadcast_from_last_stage(None)
     return _broadcast_from_last_stage([{k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in r.items()}
                                        for r in results])
@@ -188,7 +194,7 @@ def make_velocity_fn(model_chunks: Sequence[FluxTransformer], cond: Dict, micro_
             outs = _run_schedule(model_chunks, micro_batches + micro_batches[-1:] * padding,
                                  lambda out, batch: out, forward_only=True, collect_non_loss_data=True)
         v = torch.empty(batch, x.shape[1], config.output_channels, dtype=x.dtype, device=x.device)
-        if parallel_state.is_pipeline_last_stage():
+        if _last_stage():
             v = torch.cat(outs[:num_microbatches]).to(x.dtype)
         dist.broadcast(v, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                        group=parallel_state.get_pipeline_model_parallel_group())

@@ -69,8 +69,7 @@ def initialize_parallel(parallel: ParallelConfig = ParallelConfig(), seed: int =
     megatron-core's model-parallel groups."""
     init_process_group(timeout_minutes)
     parallel.check(dist.get_world_size())
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    destroy_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
@@ -80,9 +79,19 @@ def initialize_parallel(parallel: ParallelConfig = ParallelConfig(), seed: int =
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+# Rank lists megatron-core's destroy_model_parallel leaves set (0.12 both, 0.16 the first). The next
+# layout sets them only on the ranks of its (position) embedding groups, so on the other ranks
+# is_rank_in_(position_)embedding_group would still answer for the old layout, and
+# finalize_model_grads would ask for a group that is not there.
+_RANKS_LEFT_BY_DESTROY = ("_EMBEDDING_GLOBAL_RANKS", "_POSITION_EMBEDDING_GLOBAL_RANKS")
+
+
 def destroy_parallel():
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    for name in _RANKS_LEFT_BY_DESTROY:
+        if hasattr(parallel_state, name):
+            setattr(parallel_state, name, None)
 
 
 def dp_reduce(value, op=dist.ReduceOp.SUM, device=None) -> float:

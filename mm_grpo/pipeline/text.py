@@ -17,12 +17,20 @@ logger = logging.getLogger(__name__)
 
 MAX_SEQUENCE_LENGTH = 512  # FLUX.1's T5 length; FluxPipeline refuses more
 
+# The fast (tokenizers) classes: they read a folder's tokenizer.json under transformers 4.x and 5
+# alike (in 5 they are the only ones; 4.x's slow CLIPTokenizer / T5Tokenizer need vocab files).
 _COMPONENTS = {
-    "tokenizer": "CLIPTokenizer",
+    "tokenizer": "CLIPTokenizerFast",
     "text_encoder": "CLIPTextModel",
     "tokenizer_2": "T5TokenizerFast",
     "text_encoder_2": "T5EncoderModel",
 }
+
+
+def transformers_5() -> bool:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0]) >= 5
 
 
 def _load(pipeline_dir, name, **kwargs):
@@ -31,7 +39,17 @@ def _load(pipeline_dir, name, **kwargs):
     folder = Path(pipeline_dir) / name
     if not folder.is_dir():
         raise FileNotFoundError(f"no {name}/ in {pipeline_dir} (expected a diffusers FLUX pipeline folder)")
+    if name.startswith("tokenizer") and not transformers_5():
+        # transformers 5 writes "extra_special_tokens": [] where 4.x expects a mapping.
+        kwargs.setdefault("extra_special_tokens", {})
     return getattr(transformers, _COMPONENTS[name]).from_pretrained(folder, **kwargs)
+
+
+def load_tokenizers(pipeline_dir) -> dict:
+    """{"tokenizer": CLIP's, "tokenizer_2": T5's} of a pipeline folder, as fast tokenizers: pass
+    them to `FluxPipeline.from_pretrained` for a folder written under transformers 5 (its
+    model_index names CLIPTokenizer / T5Tokenizer, which are slow classes in 4.x)."""
+    return {name: _load(pipeline_dir, name) for name in ("tokenizer", "tokenizer_2")}
 
 
 def _frozen(model, device):
@@ -46,8 +64,7 @@ class TextEncoders:
             raise ValueError(f"max_sequence_length must be in 1..{MAX_SEQUENCE_LENGTH}, got {max_sequence_length}")
         self.device = torch.device(device)
         self.max_sequence_length = max_sequence_length
-        self.tokenizer = _load(pipeline_dir, "tokenizer")
-        self.tokenizer_2 = _load(pipeline_dir, "tokenizer_2")
+        self.tokenizer, self.tokenizer_2 = load_tokenizers(pipeline_dir).values()
         self.text_encoder = _frozen(_load(pipeline_dir, "text_encoder", dtype=dtype), self.device)
         self.text_encoder_2 = _frozen(_load(pipeline_dir, "text_encoder_2", dtype=dtype), self.device)
 

@@ -11,12 +11,15 @@ T5: a SentencePiece Unigram model, as T5's own), so nothing is downloaded.
 import argparse
 import collections
 import io
+import json
+import tempfile
 from pathlib import Path
 
 import torch
 
 from mm_grpo.checkpoint.atomic import atomic_dir
 from mm_grpo.models.flux.config import PRESETS
+from mm_grpo.pipeline.text import transformers_5
 
 # Captions the tiny tokenizers are trained on; prompts outside this vocabulary
 # still tokenize (rare characters map to <unk>).
@@ -119,7 +122,6 @@ T5_VOCAB_SIZE = 200  # an upper bound: SentencePiece stops earlier on this corpu
 def build_clip_tokenizer():
     """CLIPTokenizer with a byte-level BPE learnt on CAPTIONS, laid out as CLIP's vocab."""
     from tokenizers import pre_tokenizers
-    from transformers import CLIPTokenizer
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     merges = _learn_bpe(_clip_words(CAPTIONS), CLIP_BPE_MERGES)
@@ -127,14 +129,53 @@ def build_clip_tokenizer():
     tokens = alphabet + [b + "</w>" for b in alphabet] + ["".join(m) for m in merges]
     tokens += ["<|startoftext|>", "<|endoftext|>"]
     vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
-    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=CLIP_TEXT_CONFIG["max_position_embeddings"])
+    return clip_tokenizer(vocab, merges, model_max_length=CLIP_TEXT_CONFIG["max_position_embeddings"])
+
+
+def clip_tokenizer(vocab, merges, **kwargs):
+    """CLIP's (fast) tokenizer from an in-memory vocab {token: id} and merges [(a, b), ...].
+
+    transformers 5 takes them directly; 4.x (MindSpeed-MM's 4.57) reads them from CLIP's two
+    files and converts them with its CLIP converter, which builds the same backend."""
+    from transformers import CLIPTokenizerFast
+
+    if transformers_5():
+        return CLIPTokenizerFast(vocab=vocab, merges=merges, **kwargs)
+    with tempfile.TemporaryDirectory() as folder:
+        vocab_file, merges_file = Path(folder) / "vocab.json", Path(folder) / "merges.txt"
+        vocab_file.write_text(json.dumps(vocab))
+        merges_file.write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+        return CLIPTokenizerFast(vocab_file=str(vocab_file), merges_file=str(merges_file), **kwargs)
+
+
+def t5_tokenizer(vocab, **kwargs):
+    """T5's (fast) Unigram tokenizer from [(piece, score), ...] with pad 0, eos 1, unk 2, no sentinels.
+
+    transformers 5 takes the pieces directly; for 4.x the same backend is assembled here
+    (Metaspace pieces, "$A </s>"), as transformers 5 assembles it."""
+    from transformers import T5TokenizerFast
+
+    if transformers_5():
+        return T5TokenizerFast(vocab=vocab, extra_ids=0, **kwargs)
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    backend = Tokenizer(models.Unigram(vocab, unk_id=2, byte_fallback=False))
+    metaspace = dict(replacement="\u2581", prepend_scheme="always", split=True)
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(**metaspace)])
+    backend.decoder = decoders.Metaspace(**metaspace)
+    backend.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)])
+    return T5TokenizerFast(tokenizer_object=backend, extra_ids=0, **kwargs)
 
 
 def _clip_words(texts):
     """Word counts after CLIPTokenizer's own normaliser and byte-level pre-tokeniser."""
-    from transformers import CLIPTokenizer
+    from tokenizers import pre_tokenizers
 
-    backend = CLIPTokenizer()._tokenizer
+    specials = ("<|startoftext|>", "<|endoftext|>")
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet()) + list(specials)
+    backend = clip_tokenizer({t: i for i, t in enumerate(alphabet)}, [])._tokenizer
     counts = collections.Counter()
     for text in texts:
         normalized = backend.normalizer.normalize_str(text)
@@ -175,7 +216,6 @@ def _merge(word, pair):
 def build_t5_tokenizer():
     """T5TokenizerFast over a SentencePiece Unigram model trained on CAPTIONS (pad 0, eos 1, unk 2 as T5)."""
     import sentencepiece as spm
-    from transformers import T5TokenizerFast
 
     proto = io.BytesIO()
     spm.SentencePieceTrainer.train(
@@ -195,7 +235,7 @@ def build_t5_tokenizer():
     sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
     vocab = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
     # FLUX never uses T5's sentinel tokens, so no <extra_id_*>.
-    return T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=512)
+    return t5_tokenizer(vocab, model_max_length=512)
 
 
 def _seeded(seed, build):

@@ -31,7 +31,6 @@ def grammar_corpus(config: ShapesConfig = ShapesConfig()):
 def build_clip_tokenizer(corpus):
     """CLIP's byte-level BPE learnt on `corpus` with enough merges to make each word one token."""
     from tokenizers import pre_tokenizers
-    from transformers import CLIPTokenizer
 
     words = tiny._clip_words(corpus)
     merges = tiny._learn_bpe(words, sum(len(w) for w in words))  # stops once every word is whole
@@ -39,20 +38,18 @@ def build_clip_tokenizer(corpus):
     tokens = alphabet + [b + "</w>" for b in alphabet] + ["".join(m) for m in merges]
     tokens += ["<|startoftext|>", "<|endoftext|>"]
     vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
-    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=tiny.CLIP_TEXT_CONFIG["max_position_embeddings"])
+    return tiny.clip_tokenizer(vocab, merges, model_max_length=tiny.CLIP_TEXT_CONFIG["max_position_embeddings"])
 
 
 def build_t5_tokenizer(corpus):
     """A T5 (Unigram) tokenizer whose pieces are the corpus's words, plus single characters so
     that other text still tokenizes; pad 0, eos 1, unk 2 as T5. Built directly rather than
     trained: SentencePiece's trainer keeps sub-word pieces on a corpus this repetitive."""
-    from transformers import T5TokenizerFast
-
     words = sorted({w for text in corpus for w in text.split()})
     chars = sorted({c for w in words for c in w})
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
     vocab += [("\u2581" + w, -1.0) for w in words] + [(c, -10.0) for c in chars]
-    return T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=512)
+    return tiny.t5_tokenizer(vocab, model_max_length=512)
 
 
 # Relative offsets each T5 head attends to (previous, next, two back, two ahead).

@@ -12,7 +12,9 @@ run unchanged; only the CUDA-only calls inside them are redirected:
   methods the module defines;
 - a module's global name `torch` is rebound to a view of torch whose `torch.cuda`
   answers the few calls Megatron makes (`current_device`, `synchronize`, the RNG) for
-  the CPU and forwards everything else to the real `torch.cuda`.
+  the CPU and forwards everything else to the real `torch.cuda`;
+- a method name in a module's code (`tensor.cuda()`, megatron-core 0.12) is swapped for
+  its CPU twin (`tensor.cpu()`), in the same code objects.
 
 Patches are declared in `CPU_PATCHES` (name, targets, why), like MindSpeed's patch
 manager. `apply_cpu_patches()` patches the targets already imported and hooks the
@@ -20,17 +22,17 @@ import of the others, so it works before or after Megatron is imported.
 `docs/adaptor.md` has the table and the reasons.
 """
 import dataclasses
+import dis
 import importlib.abc
 import importlib.machinery
-import importlib.util
 import logging
-import os
-import re
 import sys
 import types
 from typing import Callable
 
 import torch
+
+from mm_grpo.platform.megatron_core import find_megatron_core
 
 _MC = "megatron.core."
 
@@ -75,6 +77,34 @@ def _constant_swapper(mapping: dict) -> Callable[[types.ModuleType], None]:
     def apply(module):
         for fn in _own_functions(module):
             fn.__code__ = _swap_code_constants(fn.__code__, mapping)
+
+    return apply
+
+
+def _is_method_load(instruction: dis.Instruction) -> bool:
+    """`x.name(...)`: LOAD_METHOD up to Python 3.11, LOAD_ATTR with the method flag from 3.12."""
+    return instruction.opname == "LOAD_METHOD" or (
+        instruction.opname == "LOAD_ATTR" and instruction.argrepr.startswith("NULL|self"))
+
+
+def _rename_methods(code: types.CodeType, mapping: dict) -> types.CodeType:
+    """`code` calling method mapping[m] where it called m, nested code included. A name is
+    renamed only in code that uses it as a method name and nothing else (so `torch.cuda.x`
+    beside `t.cuda()` keeps its meaning)."""
+    uses = {}
+    for instruction in dis.get_instructions(code):
+        if instruction.opcode in dis.hasname and instruction.argval in mapping:
+            uses.setdefault(instruction.argval, []).append(_is_method_load(instruction))
+    renamed = {name for name, methods in uses.items() if all(methods)}
+    consts = tuple(_rename_methods(c, mapping) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    names = tuple(mapping[n] if n in renamed else n for n in code.co_names)
+    return code.replace(co_consts=consts, co_names=names)
+
+
+def _method_renamer(mapping: dict) -> Callable[[types.ModuleType], None]:
+    def apply(module):
+        for fn in _own_functions(module):
+            fn.__code__ = _rename_methods(fn.__code__, mapping)
 
     return apply
 
@@ -133,19 +163,22 @@ def _rng_on_cpu(module):
     logging.getLogger(module.__name__).addFilter(_not_fork_warning)  # added once: same function
 
 
-def _tensor_cuda_noop(module):
-    module.Tensor.cuda = lambda self, device=None, non_blocking=False, **kwargs: self
+def _fp8_cast_only_with_fp8_params(module):
+    # Without Transformer Engine, 0.12's _quantize_param_shard_impl raises whatever it is given.
+    raise_without_te = module._quantize_param_shard_impl
+
+    def quantize_param_shard_impl(model_params, *args, **kwargs):
+        if len(model_params):  # fp8 parameters do need Transformer Engine
+            raise_without_te(model_params, *args, **kwargs)
+
+    module._quantize_param_shard_impl = quantize_param_shard_impl
 
 
 def megatron_core_version() -> tuple[int, int] | None:
-    """(major, minor) from megatron/core/package_info.py, read without importing megatron.core
-    (which would defeat patching on import); works for source checkouts too. None if absent."""
-    spec = importlib.util.find_spec("megatron.core")
-    if spec is None:
-        return None
-    with open(os.path.join(spec.submodule_search_locations[0], "package_info.py")) as f:
-        text = f.read()
-    return tuple(int(re.search(rf"^{k} = (\d+)", text, re.M).group(1)) for k in ("MAJOR", "MINOR"))
+    """(major, minor) of the megatron.core in use, read without importing it (which would
+    defeat patching on import); None if there is none."""
+    core = find_megatron_core()
+    return None if core is None else core.version[:2]
 
 
 def _megatron_before_0_13() -> bool:
@@ -168,8 +201,9 @@ _OPTIMIZER, _DISTRIB = _MC + "optimizer.optimizer", _MC + "optimizer.distrib_opt
 _CLIP, _SCALER = _MC + "optimizer.clip_grads", _MC + "optimizer.grad_scaler"
 _RANDOM, _UTILS = _MC + "tensor_parallel.random", _MC + "utils"
 _TP_LAYERS, _TP_MAPPINGS, _TP_UTILS = (_MC + "tensor_parallel." + m for m in ("layers", "mappings", "utils"))
-_CKPT_SAVER, _CKPT_WRITER = (_MC + "dist_checkpointing.strategies." + m
-                              for m in ("state_dict_saver", "filesystem_async"))
+_CKPT_SAVER, _CKPT_WRITER, _CKPT_ASYNC = (_MC + "dist_checkpointing.strategies." + m
+                                          for m in ("state_dict_saver", "filesystem_async", "async_utils"))
+_FP8 = _MC + "fp8_utils"
 
 CPU_PATCHES = (
     CpuPatch(
@@ -206,11 +240,28 @@ CPU_PATCHES = (
         _rng_on_cpu,
     ),
     CpuPatch(
-        "tensor_cuda_noop",
-        ("torch",),
-        "megatron-core 0.12.x calls Tensor.cuda() where 0.16 passes device='cuda'; "
-        "it returns the tensor itself (global: a method cannot be scoped to a module)",
-        _tensor_cuda_noop,
+        "tensor_cuda_method",
+        (_SCHEDULES,),
+        "megatron-core 0.12.x makes the schedules' token count with Tensor.cuda() where 0.16 "
+        "passes device='cuda'; in this module's code the method called is Tensor.cpu() instead",
+        _method_renamer({"cuda": "cpu"}),
+        needed=_megatron_before_0_13,
+    ),
+    CpuPatch(
+        "async_save_sync",
+        (_CKPT_ASYNC,),
+        "megatron-core 0.12.x runs a synchronous dist_checkpointing.save through its async caller, "
+        "which calls torch.cuda.synchronize(); in this module torch is the view of torch_cuda_calls",
+        _bind_torch_on_cpu,
+        needed=_megatron_before_0_13,
+    ),
+    CpuPatch(
+        "fp8_cast_without_fp8",
+        (_FP8,),
+        "without Transformer Engine (never on CPU), megatron-core 0.12.x's distributed optimizer "
+        "raises in quantize_param_shard at every step, even with no fp8 parameters (MindSpeed's "
+        "adaptor replaces it on NPU); with no fp8 parameters it now does nothing",
+        _fp8_cast_only_with_fp8_params,
         needed=_megatron_before_0_13,
     ),
 )

@@ -38,6 +38,18 @@ def check(*world_sizes):
     return register
 
 
+# A collective that waits this long means the ranks disagree (one raised, or took another branch):
+# the waiting rank then raises too, so the check fails instead of the launch hanging until killed.
+COLLECTIVE_TIMEOUT_MINUTES = 5
+
+
+def _write(results, out_path):
+    tmp = out_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(tmp, out_path)
+
+
 def main(out_path):
     for name in CHECK_MODULES:
         importlib.import_module(name)
@@ -45,7 +57,7 @@ def main(out_path):
     # importable `tests.distributed.worker`: read the checks from that one.
     checks = importlib.import_module("tests.distributed.worker")._CHECKS
     from mm_grpo.parallel.state import destroy_parallel, init_process_group
-    init_process_group()
+    init_process_group(timeout_minutes=COLLECTIVE_TIMEOUT_MINUTES)
     world, rank = dist.get_world_size(), dist.get_rank()
     results = {}
     for fn, sizes in checks:
@@ -56,19 +68,24 @@ def main(out_path):
             metrics, error = fn() or {}, None
         except Exception:
             metrics, error = {}, f"rank {rank}: {traceback.format_exc()}"
+            print(f"[worker] {fn.__name__} failed on {error}", file=sys.stderr, flush=True)
         destroy_parallel()
         errors = [None] * world
-        dist.all_gather_object(errors, error)
+        try:
+            dist.all_gather_object(errors, error)
+        except Exception:  # a collective timed out: the ranks are out of step, the group unusable
+            if rank == 0:
+                results[fn.__name__] = {"ok": False, "metrics": metrics, "seconds": round(time.time() - start, 2),
+                                        "error": f"{error}\nthe ranks fell out of step (the other ranks' "
+                                                 "errors are in the torchrun log); later checks did not run"}
+                _write(results, out_path)
+            raise
         errors = [e for e in errors if e]
         results[fn.__name__] = {"ok": not errors, "error": "\n".join(errors), "metrics": metrics,
                                 "seconds": round(time.time() - start, 2)}
         if rank == 0:
             print(f"[worker] {fn.__name__}: {'ok' if not errors else 'FAILED'} {metrics}", flush=True)
-    if rank == 0:
-        tmp = out_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(results, f, indent=1)
-        os.replace(tmp, out_path)
+            _write(results, out_path)  # after every check: a launch stopped midway still reports
     dist.barrier()
     dist.destroy_process_group()
 

@@ -3,6 +3,8 @@
 Activations are [S, B, D] (Megatron's layout); heads are [S, B, H, d]. Which linear
 is column- or row-parallel is also declared, as data, in `layout.py`.
 """
+import inspect
+
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
@@ -12,6 +14,15 @@ from torch import nn
 
 from mm_grpo import kernels
 from mm_grpo.parallel import ulysses
+
+
+def _tp_group_kwargs() -> dict:
+    """How to name the TP group to megatron-core's TP mappings. 0.16 takes it as `group=` and
+    warns when it is left out (the warning also breaks a compiled block's graph); 0.12 has no
+    such argument and always uses the TP group of parallel_state, which is the same group."""
+    if "group" in inspect.signature(copy_to_tensor_model_parallel_region).parameters:
+        return {"group": parallel_state.get_tensor_model_parallel_group()}
+    return {}
 
 
 def _init_normal(weight):
@@ -105,17 +116,18 @@ class HeadRMSNorm(nn.Module):
     """Per-head RMSNorm over head_dim (QK-norm); weights replicated.
 
     A TP rank sees only its heads, so its weight gradient is partial: the weight goes
-    through `copy_to_tensor_model_parallel_region` (identity forward, all-reduce backward)
-    so that every rank ends with the full gradient."""
+    through `copy_to_tensor_model_parallel_region` (identity forward, all-reduce backward
+    over the TP group of megatron-core's parallel state) so that every rank ends with the
+    full gradient."""
 
     def __init__(self, head_dim, eps):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(head_dim))
-        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.tp_group_kwargs = _tp_group_kwargs()
 
     def forward(self, x):
-        weight = copy_to_tensor_model_parallel_region(self.weight, group=self.tp_group)
+        weight = copy_to_tensor_model_parallel_region(self.weight, **self.tp_group_kwargs)
         return kernels.rms_norm(x, weight, self.eps)
 
 
