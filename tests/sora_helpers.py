@@ -89,3 +89,23 @@ def feature_batch(config: FluxConfig, batch=2, latent=(8, 8), txt_len=7, seed=0)
     return {"video": torch.randn(batch, config.in_channels // 4, *latent, generator=g),
             "prompt_ids": [torch.randn(batch, txt_len, config.joint_attention_dim, generator=g),
                            torch.randn(batch, config.pooled_projection_dim, generator=g)]}
+
+
+def write_feature_dataset(folder, batch: dict, data_json: str, image_size=(64, 64)):
+    """The batch as a MindSpeed-MM feature dataset (`dataset_type: "feature"`, the format
+    docs/mindspeed_mm.md gives: one .pt per sample with video, prompt_ids and prompt_mask, and a
+    data.jsonl naming the files); rewrites `data_json` to read it in order."""
+    os.makedirs(folder, exist_ok=True)
+    t5, pooled = batch["prompt_ids"]
+    with open(os.path.join(folder, "data.jsonl"), "w") as f:
+        for i, latents in enumerate(batch["video"]):
+            torch.save({"video": latents, "prompt_ids": [t5[i], pooled[i]],
+                        "prompt_mask": torch.ones(t5.shape[1], dtype=torch.long)}, os.path.join(folder, f"{i}.pt"))
+            f.write(json.dumps({"file": f"{i}.pt"}) + "\n")
+    data = {"dataset_param": {"dataset_type": "feature",
+                              "basic_parameters": {"data_path": os.path.join(folder, "data.jsonl"), "data_folder": folder},
+                              "preprocess_parameters": {"max_height": image_size[0], "max_width": image_size[1]}},
+            "dataloader_param": {"dataloader_mode": "sampler", "shuffle": False, "drop_last": True,
+                                 "pin_memory": False}}
+    with open(data_json, "w") as f:
+        json.dump(data, f)
