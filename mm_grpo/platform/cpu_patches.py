@@ -128,6 +128,11 @@ class _CudaOnCpu:
     def manual_seed(seed):
         torch.manual_seed(seed)
 
+    @staticmethod
+    def get_device_properties(device=None):
+        """A CPU has no CUDA compute capability: major 0 keeps Megatron's pre-Blackwell rules."""
+        return types.SimpleNamespace(name="cpu", major=0, minor=0)
+
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
 
@@ -263,6 +268,22 @@ CPU_PATCHES = (
         "adaptor replaces it on NPU); with no fp8 parameters it now does nothing",
         _fp8_cast_only_with_fp8_params,
         needed=_megatron_before_0_13,
+    ),
+    CpuPatch(
+        "training_device_arch",
+        ("megatron.training.utils",),
+        "Megatron-LM's get_device_arch_version() reads torch.cuda.get_device_properties (MindSpeed-MM's "
+        "validate_args calls it under context parallelism); in this module torch is the view of "
+        "torch_cuda_calls, whose CPU reports compute capability 0",
+        _bind_torch_on_cpu,
+    ),
+    CpuPatch(
+        "mindspeed_multi_parameter_pipeline",
+        ("mindspeed.core.pipeline_parallel.multi_parameter.communication",),
+        "MindSpeed's multi-tensor pipeline schedule (pretrain_sora.py under PP) makes its gradient "
+        "buffers on torch.cuda.current_device(), which torch_npu maps to the NPU; in this module torch "
+        "is the view of torch_cuda_calls",
+        _bind_torch_on_cpu,
     ),
 )
 
