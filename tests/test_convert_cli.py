@@ -296,7 +296,9 @@ def test_mm_to_hf_hf_dir_must_describe_the_checkpoint(capsys, tmp_path, original
 # --- one mm-convert ---------------------------------------------------------------------------
 def cli_process(*args, pythonpath=""):
     """`python -m converters.convert_cli ARGS` in a fresh process (the console script's code)."""
-    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join(filter(None, [REPO, pythonpath])))
+    # The environment's own PYTHONPATH stays: MindSpeed-MM's has Megatron-LM's tree there.
+    paths = [REPO, pythonpath, os.environ.get("PYTHONPATH")]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join(filter(None, paths)))
     return subprocess.run([sys.executable, "-m", "converters.convert_cli", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, env=env)
 
