@@ -295,10 +295,12 @@ def test_mm_to_hf_hf_dir_must_describe_the_checkpoint(capsys, tmp_path, original
 
 # --- one mm-convert ---------------------------------------------------------------------------
 def cli_process(*args, pythonpath=""):
-    """`python -m converters.convert_cli ARGS` in a fresh process (the console script's code)."""
-    # The environment's own PYTHONPATH stays: MindSpeed-MM's has Megatron-LM's tree there.
-    paths = [REPO, pythonpath, os.environ.get("PYTHONPATH")]
-    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join(filter(None, paths)))
+    """`python -m converters.convert_cli ARGS` in a fresh process (the console script's code), with
+    the environment's PYTHONPATH (Megatron-LM's tree in MindSpeed-MM's) but not MindSpeed-MM's."""
+    from tests.testbed import STANDIN_DIR, TESTBED_PATHS
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p not in (STANDIN_DIR, *TESTBED_PATHS)]
+    env = dict(os.environ, PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO, pythonpath, *inherited])))
     return subprocess.run([sys.executable, "-m", "converters.convert_cli", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, env=env)
 
