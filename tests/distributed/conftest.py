@@ -6,7 +6,6 @@ import sys
 
 import pytest
 
-from mm_grpo.parallel.state import _free_port
 from tests.testbed import has_megatron_training, subprocess_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -17,8 +16,10 @@ def launch(nproc, tmp_dir, extra_env, module="tests.distributed.worker", args=()
     """torchrun --nproc_per_node nproc -m module OUT.json *args -> the results it wrote to OUT.json."""
     out = os.path.join(tmp_dir, f"results_{nproc}.json")
     log = os.path.join(tmp_dir, f"torchrun_{nproc}.log")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={_free_port()}", "-m", module, out, *args]
+    # --standalone: the rendezvous store binds a free port itself and the workers use it; a port
+    # picked beforehand can be taken by another process before torchrun binds it (EADDRINUSE).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", module, out, *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", MM_GRPO_DEVICE="cpu", PYTHONWARNINGS="ignore", **extra_env)
     if has_megatron_training():  # MindSpeed-MM's environment: the testbed in every worker
         env = subprocess_env(env)
