@@ -8,6 +8,9 @@ MindSpeed's Transformer Engine shim, its argument handling (its features' argume
 `parse_args`, their validation) and, when `--use-multiparameter-pipeline-model-parallel` is
 given, the multi-tensor pipeline schedule that pretrain_sora.py uses under pipeline parallelism.
 """
+import argparse
+import sys
+
 import torch
 from mindspeed.args_utils import get_full_args, get_mindspeed_args  # noqa: F401  (re-exported, as the real one does)
 from mindspeed.core.megatron_basic.arguments_basic import (parse_args_wrapper, print_args_wrapper,
@@ -30,5 +33,9 @@ MindSpeedPatchesManager.apply_patches()
 MindSpeedPatchesManager.register_patch("megatron.training.arguments.parse_args", parse_args_wrapper)
 MindSpeedPatchesManager.register_patch("megatron.training.arguments.validate_args", validate_args_wrapper)
 MindSpeedPatchesManager.register_patch("megatron.training.arguments._print_args", print_args_wrapper)
-MultiParameterFeature().register_patches(MindSpeedPatchesManager, get_mindspeed_args())
+# The feature reads its flag from the command line, as the real adaptor does; only that flag is
+# looked for (MindSpeed's whole parser would exit a process started with --help at import).
+_FLAG = "--use-multiparameter-pipeline-model-parallel"
+MultiParameterFeature().register_patches(
+    MindSpeedPatchesManager, argparse.Namespace(**{_FLAG[2:].replace("-", "_"): _FLAG in sys.argv}))
 MindSpeedPatchesManager.apply_patches()

@@ -93,7 +93,7 @@ def flux_config_from_block(block: dict, staged: bool = False) -> FluxConfig:
     if path and os.path.isdir(path):
         from mm_grpo.checkpoint.metadata import CheckpointMeta
         from mm_grpo.checkpoint.paths import is_megatron_checkpoint, iteration_dir
-        if is_megatron_checkpoint(path):  # converted by mm-convert: config in model_layout.json
+        if is_megatron_checkpoint(path):  # converted by mm-convert: the config is in its shards
             return CheckpointMeta.load(iteration_dir(path)).config.replace(**runtime)
         return FluxConfig.from_diffusers_config(transformer_dir(path), **runtime)
     raise ValueError("flux predictor block: give the architecture inline (diffusers' config.json fields: "
