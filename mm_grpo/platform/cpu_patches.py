@@ -288,6 +288,107 @@ CPU_PATCHES = (
 )
 
 
+# --- Megatron-LM's training loop (megatron.training) and MindSpeed-MM's fork of it -------------
+# `pretrain` as MindSpeed-MM runs it: initialize_megatron, get_model, the train loop, checkpoints.
+class _CudaDeviceOnCpu(_CudaOnCpu):
+    """`torch.cuda` as Megatron-LM's loop sees it: one device, the CPU (with its generator)."""
+
+    @staticmethod
+    def is_available():
+        return True
+
+    @staticmethod
+    def device_count():
+        return 1
+
+    @staticmethod
+    def set_device(device):
+        """The process's one device is the CPU: nothing to select."""
+
+    @staticmethod
+    def set_rng_state(state, device="cuda"):
+        torch.set_rng_state(state)
+
+
+class _TorchWithCpuDevice(_TorchOnCpu):
+    def __init__(self):
+        super().__init__()
+        self.cuda = _CudaDeviceOnCpu()
+
+
+_TORCH_WITH_CPU_DEVICE = _TorchWithCpuDevice()
+
+
+def _bind_torch_with_cpu_device(module):
+    module.torch = _TORCH_WITH_CPU_DEVICE
+
+
+def _call_method_instead(code: types.CodeType, old: str, new: str) -> types.CodeType:
+    """`code` calling `x.new(...)` where it called `x.old(...)`, nested code included; attribute
+    loads of `old` (`torch.cuda.current_device`) keep their meaning. One-byte name indices only
+    (LOAD_METHOD up to Python 3.11, LOAD_ATTR with the method bit from 3.12)."""
+    names = code.co_names if new in code.co_names else code.co_names + (new,)
+    index = names.index(new)
+    raw = bytearray(code.co_code)
+    for instruction in dis.get_instructions(code):
+        if instruction.argval == old and _is_method_load(instruction):
+            arg = index if instruction.opname == "LOAD_METHOD" else index << 1 | 1
+            if instruction.arg > 255 or arg > 255:
+                raise NotImplementedError(f"{code.co_name}: a name index past one byte")
+            raw[instruction.offset + 1] = arg
+    consts = tuple(_call_method_instead(c, old, new) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    return code.replace(co_code=bytes(raw), co_names=names, co_consts=consts)
+
+
+def _model_moved_with_to(module):
+    module.get_model.__code__ = _call_method_instead(module.get_model.__code__, "cuda", "to")
+
+
+def _nothing_to_compile(module):
+    def _compile_dependencies():
+        """On CPU: no fused CUDA kernels to build, and no dataset index builder (see the patch)."""
+
+    module._compile_dependencies = _compile_dependencies
+
+
+_MT = "megatron.training."
+CPU_PATCHES += (
+    CpuPatch(
+        "training_cuda_device",
+        (_MT + "initialize", _MT + "training", _MT + "checkpointing", _MC + "timers"),
+        "Megatron-LM's loop asks torch.cuda for its device: initialize_megatron asserts is_available(), "
+        "makes the model-parallel groups and seeds only when device_count() > 0 and calls set_device(); "
+        "get_model moves the model to current_device(); checkpoints save and restore get_rng_state(); "
+        "timers synchronize(); in these modules torch.cuda is one device, the CPU, with its generator",
+        _bind_torch_with_cpu_device,
+    ),
+    CpuPatch(
+        "training_cuda_device_string",
+        (_MT + "initialize", _MT + "training", _MT + "checkpointing", "mindspeed_mm.training"),
+        "the loop makes tensors with device='cuda' (the JIT warm-up's, the data flags, the start time, the "
+        "logged loss sums, the checkpoint iteration check); the constant 'cuda' becomes 'cpu' in these "
+        "modules' code",
+        _constant_swapper({"cuda": "cpu"}),
+    ),
+    CpuPatch(
+        "training_model_to_device",
+        (_MT + "training",),
+        "get_model moves each model chunk with Module.cuda(torch.cuda.current_device()), which only takes a "
+        "CUDA device; there it calls Module.to(device) instead, with the device training_cuda_device gives",
+        _model_moved_with_to,
+    ),
+    CpuPatch(
+        "training_nothing_to_compile",
+        (_MT + "initialize",),
+        "initialize_megatron compiles Megatron's fused CUDA kernels (nvcc) and the C++ index builder of its "
+        "GPT/BERT datasets into the Megatron source tree (MindSpeed's adaptor keeps only the latter on NPU); "
+        "on CPU there are no CUDA kernels, mm-grpo's entries read no Megatron dataset, and the tree may be "
+        "read-only (a shared checkout), so nothing is compiled",
+        _nothing_to_compile,
+    ),
+)
+
+
 class _PatchingLoader(importlib.abc.Loader):
     """Executes a module with its own loader, then applies the patches registered for it."""
 

@@ -1,15 +1,11 @@
-"""GRPO in Megatron's `forward_step` + data-iterator shape, for MindSpeed-MM's (Megatron's) `pretrain`.
+"""GRPO in Megatron's `forward_step` + data-iterator shape, for MindSpeed-MM's (Megatron's) `pretrain`
+(the entry: mm_grpo/training/mindspeed_grpo.py).
 
 Megatron's loop calls, per optimizer step, `forward_backward_func(forward_step, data_iterator,
 model, num_microbatches, ...)` and then the optimizer. GRPO fits that loop when the data
 iterator does the rollout: `GRPOMicroBatches` yields (trajectory, trained timestep)
 micro-batches, and when they run out it runs the next rollout, reward and advantages with the
-current policy. It gets the policy from the first `forward_step` call (the model `pretrain`
-built), so it can be made before the model exists, as Megatron's dataset provider is:
-
-    data_iterator = GRPOMicroBatches(make_schedule, prompt_stream, start_iteration)
-    forward_step = make_forward_step()
-    # make_schedule(policy) -> GRPOSchedule over the bare model chunks `policy`
+current policy (the schedule's bare model chunks, inside the DDP wrappers the loop trains).
 
 Megatron's `--global-batch-size` counts micro-batch rows per optimizer step: it must be
 (generations per update) x (trained steps per sample) with the same `--micro-batch-size`.
@@ -23,59 +19,44 @@ import functools
 import torch
 
 from mm_grpo.parallel.pipeline import FORWARD_KEYS
-from mm_grpo.training.optim import unwrap
 
 # Rollout statistics logged with each micro-batch's loss (Megatron logs the loss dictionary).
 LOGGED_ROLLOUT_STATS = ("reward/mean", "reward/std", "adv/abs_max")
 
 
 class GRPOMicroBatches:
-    """A Megatron data iterator over GRPO micro-batches. `schedule` is made on the first
-    `bind(model_chunks)`; `iteration` counts rollouts; `stats` holds the last rollout's."""
+    """A Megatron data iterator over GRPO micro-batches of `schedule`; `iteration` counts
+    rollouts (the first is `start_iteration`), `stats` holds the last rollout's."""
 
-    def __init__(self, make_schedule, prompts, start_iteration: int = 0):
-        self.make_schedule, self.prompts = make_schedule, prompts
-        self.schedule = None
+    def __init__(self, schedule, prompts, start_iteration: int = 0):
+        self.schedule, self.prompts = schedule, prompts
         self.iteration = start_iteration
         self.queue = collections.deque()
         self.stats = {}
-
-    def bind(self, model_chunks):
-        """The policy: the model chunks `forward_step` receives (DDP-wrapped); their bare modules
-        run the rollout."""
-        if self.schedule is None:
-            self.schedule = self.make_schedule(unwrap(model_chunks))
-        return self.schedule
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        if self.schedule is None:
-            raise RuntimeError("GRPOMicroBatches has no policy yet: read it through make_forward_step's "
-                               "forward_step, which binds the model")
         while not self.queue:
             prompts = self.prompts.next_batch(self.schedule.s.prompts_per_iteration)
             updates, self.stats = self.schedule.prepare(self.iteration, prompts)
             self.iteration += 1
+            logged = {k: torch.tensor(float(self.stats[k])) for k in LOGGED_ROLLOUT_STATS if k in self.stats}
             for micro_batches in updates or []:  # a skipped rollout yields nothing
-                logged = {k: torch.tensor(float(self.stats[k])) for k in LOGGED_ROLLOUT_STATS if k in self.stats}
                 self.queue.extend(dict(mb, logged=logged) for mb in micro_batches)
         return self.queue.popleft()
 
 
-def make_forward_step():
-    """Megatron's `forward_step(data_iterator, model) -> (output, loss_func)` for GRPO."""
+def _loss_func(schedule, batch, output):
+    loss, stats = schedule.loss_fn(output, batch)
+    # Megatron scales the returned loss in place, so report a copy of it.
+    return loss, {"loss": loss.detach().clone(), **{k: v.detach() for k, v in stats.items()}, **batch["logged"]}
 
-    def loss_func(schedule, batch, output):
-        loss, stats = schedule.loss_fn(output, batch)
-        # Megatron scales the returned loss in place, so report a copy of it.
-        return loss, {"loss": loss.detach().clone(), **{k: v.detach() for k, v in stats.items()}, **batch["logged"]}
 
-    def forward_step(data_iterator, model):
-        schedule = data_iterator.bind([model])
-        batch = next(data_iterator)
-        output = model(**{k: batch[k] for k in FORWARD_KEYS if k in batch})
-        return output, functools.partial(loss_func, schedule, batch)
-
-    return forward_step
+def grpo_forward_step(schedule, data_iterator, model):
+    """Megatron's `forward_step(data_iterator, model) -> (output, loss_func)` for GRPO (bind
+    `schedule` with functools.partial)."""
+    batch = next(data_iterator)
+    output = model(**{k: batch[k] for k in FORWARD_KEYS if k in batch})
+    return output, functools.partial(_loss_func, schedule, batch)
