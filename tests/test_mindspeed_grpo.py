@@ -44,12 +44,17 @@ MEGATRON_ARGV = [
 
 
 def write_mindspeed_configs(folder, pipeline_dir):
-    """mm-grpo's model.json / data.json (the trainer's), and for `pretrain` the same model.json with
-    the predictor written MindSpeed-MM's way (architecture inline, from_pretrained one file) and a
-    tools.json; returns ((model, data), mindspeed model.json, tools.json)."""
+    """mm-grpo's model.json / data.json (the trainer's), and for `pretrain` the same configs with the
+    predictor written MindSpeed-MM's way (architecture inline, from_pretrained one file) and paths
+    absolute (MindSpeed-MM reads them from the working directory), and a tools.json; returns
+    ((model, data), mindspeed model.json, mindspeed data.json, tools.json)."""
     ours = write_configs(folder, pipeline_dir)
     with open(ours[0]) as f:
         model = json.load(f)
+    with open(ours[1]) as f:
+        data = json.load(f)
+    params = data["dataset_param"]
+    params.update({k: os.path.join(folder, params[k]) for k in ("prompt_file", "eval_prompt_file")})
     transformer = os.path.join(str(pipeline_dir), "transformer")
     model["predictor"] = {"model_id": "flux", **FluxConfig.from_diffusers_config(transformer).to_diffusers_config(),
                           "from_pretrained": os.path.join(transformer, "diffusion_pytorch_model.safetensors")}
@@ -58,8 +63,9 @@ def write_mindspeed_configs(folder, pipeline_dir):
     # MindSpeed-MM builds its "static" NPU profiler (torch_npu) even when profiling is off; "dynamic"
     # builds none until enabled. Profiling stays off.
     tools["profile"]["profile_type"] = "dynamic"
-    paths = os.path.join(folder, "mindspeed_model.json"), os.path.join(folder, "tools.json")
-    for path, content in zip(paths, (model, tools)):
+    paths = (os.path.join(folder, "mindspeed_model.json"), os.path.join(folder, "mindspeed_data.json"),
+             os.path.join(folder, "tools.json"))
+    for path, content in zip(paths, (model, data, tools)):
         with open(path, "w") as f:
             json.dump(content, f)
     return ours, *paths
@@ -103,13 +109,13 @@ def runs(parallel_1proc, tiny_pipeline_dir, tmp_path_factory):
     after each) and `pretrain` resumed from the first checkpoint."""
     require_testbed(needs_megatron_training=True)
     folder = tmp_path_factory.mktemp("mindspeed_grpo")
-    ours, model_json, tools_json = write_mindspeed_configs(str(folder), tiny_pipeline_dir)
+    ours, model_json, data_json, tools_json = write_mindspeed_configs(str(folder), tiny_pipeline_dir)
     history, run = run_grpo(grpo_argv(*ours, iters=2))
     weights = {n: p.detach().clone() for n, p in run.model.modules[0].named_parameters()}
     trainer = {"history": history, "weights": weights}
     full, resumed = str(folder / "full"), str(folder / "resumed")
-    launch_pretrain(full, model_json, ours[1], tools_json)
-    log = launch_pretrain(resumed, model_json, ours[1], tools_json,
+    launch_pretrain(full, model_json, data_json, tools_json)
+    log = launch_pretrain(resumed, model_json, data_json, tools_json,
                           ["--load", os.path.join(full, "ckpt"), "--ckpt-step", "1"])
     return {"trainer": trainer, "full": full, "resumed": resumed, "resumed_log": log}
 

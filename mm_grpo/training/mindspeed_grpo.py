@@ -16,7 +16,8 @@ reward and advantages with the model `pretrain` built. Megatron's `--global-batc
 those rows per optimizer step: (generations per update) x (trained steps per sample K), so
 the GRPO batch of a rollout is `--global-batch-size / K x --updates-per-rollout` generations.
 `--mm-model` holds the `predictor` (MindSpeed-MM's way), `ae`, `text_encoder`, `reward` blocks
-and `image_size`; `--mm-data` the prompt files (as mm-grpo's own trainer reads them).
+and `image_size`; `--mm-data` the prompt files (as mm-grpo's own trainer reads them). Relative
+paths in them are taken from the working directory, as MindSpeed-MM takes them.
 
 Limits: the rollout runs inside the first `forward_step` of a step, where the later pipeline
 stages wait for activations, so pipeline parallelism is refused (mm-grpo's own
@@ -70,9 +71,9 @@ class GRPOInPretrain:
     def train_valid_test_datasets_provider(self, num_samples):
         """The GRPO data iterator, started where `--load` left off."""
         args = get_args()
-        folder = lambda path: os.path.dirname(os.path.abspath(path))  # noqa: E731
-        model_cfg = components.resolve_paths(args.mm.model.to_dict(), folder(args.mm_model))
-        data_cfg = components.resolve_paths(args.mm.data.to_dict(), folder(args.mm_data))
+        # Relative paths from the working directory, as MindSpeed-MM reads them (the predictor's too).
+        model_cfg = components.resolve_paths(args.mm.model.to_dict(), os.getcwd())
+        data_cfg = components.resolve_paths(args.mm.data.to_dict(), os.getcwd())
         settings = self.settings(args, model_cfg)
         device = mm_grpo.get_platform().device
         prompts, _ = components.prompt_streams(data_cfg, "--mm-data", args.seed)
