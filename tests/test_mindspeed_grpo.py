@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from mm_grpo.models.flux import FluxConfig
-from mm_grpo.parallel.state import _free_port
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.grpo_helpers import grpo_argv, run_grpo, write_configs
 from tests.testbed import REPO, TESTBED, require_testbed, subprocess_env
@@ -73,7 +72,7 @@ def write_mindspeed_configs(folder, pipeline_dir):
 
 def launch_pretrain(run_dir, model_json, data_json, tools_json, extra=()):
     """`torchrun -m mm_grpo.training.mindspeed_grpo ...` (one process); returns its log."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
            "-m", "mm_grpo.training.mindspeed_grpo", *MEGATRON_ARGV, "--mm-model", model_json, "--mm-data", data_json,
            "--mm-tool", tools_json, "--save", os.path.join(run_dir, "ckpt"),
            "--tensorboard-dir", os.path.join(run_dir, "tb"), *extra]
