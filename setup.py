@@ -22,6 +22,7 @@ setup(
         "matplotlib",
         "pillow",
         "accelerate",  # diffusers' low-memory loading
+        "peft",  # diffusers' LoRA loading (FluxPipeline.load_lora_weights) and PEFT LoRA files
     ],
     extras_require={
         "test": ["pytest>=8"],
