@@ -1,14 +1,43 @@
 """Nothing half-written: files and folders are built under a temporary name, then renamed."""
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 
+from mm_grpo.checkpoint.lock import is_dead_local_owner, owner_tag
+
+# Our temporary folders: a training save's `.iter_0000100.tmp` / `.release.tmp` (one name for all
+# ranks of the job that holds the folder's lock) and `.<name>.tmp-<host>:<pid>-<8 random>` of
+# `atomic_dir` / `atomic_entries` (the owner tells whether it crashed).
+STALE_TEMP = re.compile(r"\.(?:(?:iter_\d{7}|release)\.tmp|.+\.tmp-(?P<owner>[^:/\s]+:\d+)-[a-z0-9_]{8})")
+
+
+def temp_prefix(name: str) -> str:
+    return f".{name}.tmp-{owner_tag()}-"
+
+
+def remove_stale_temps(folder: str, name: str = None) -> list:
+    """Remove what crashed writers of ours left in `folder` (only `name`'s with `name`): the
+    temporary folders above whose owner is gone, or without an owner. Returns the names removed."""
+    removed = []
+    for entry in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        match = STALE_TEMP.fullmatch(entry)
+        if not match or (name is not None and not entry.startswith(f".{name}.tmp")):
+            continue
+        if match["owner"] is None or is_dead_local_owner(match["owner"]):
+            shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
+            removed.append(entry)
+    return removed
+
 
 def atomic_write_text(path: str, text: str):
+    """Written, flushed to disk, then renamed over `path` (a crash leaves the old or the new text)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -31,7 +60,7 @@ def atomic_dir(target: str, overwrite: bool = False):
         raise FileExistsError(f"{target} already exists: remove it or choose another output folder")
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=parent)
+    tmp = tempfile.mkdtemp(prefix=temp_prefix(os.path.basename(target)), dir=parent)
     try:
         yield tmp
     except BaseException:
@@ -47,7 +76,7 @@ def atomic_entries(target: str, overwrite: bool = False, last=()):
     only once the rest is in place), replacing an entry of the same name only with `overwrite`;
     on error the temporary folder is removed and `target` is as it was."""
     target = os.path.abspath(target)
-    tmp = tempfile.mkdtemp(prefix=".entries.tmp-", dir=target)
+    tmp = tempfile.mkdtemp(prefix=temp_prefix("entries"), dir=target)
     try:
         yield tmp
         names = sorted(os.listdir(tmp), key=lambda n: n in last)

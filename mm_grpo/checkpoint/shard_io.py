@@ -18,6 +18,8 @@ objects, numpy RNG states) are read without importing or running their classes: 
 pickled class becomes an `Opaque` stand-in holding the pickled state.
 """
 import argparse
+import contextlib
+import errno
 import os
 from typing import Iterator, Tuple
 
@@ -103,6 +105,34 @@ def _load_meta(path: str):
                          f"{type(e).__name__}: {e}") from None
 
 
+@contextlib.contextmanager
+def naming(path: str):
+    """An OSError inside names `path` (a write to an open file does not say which file); torch's
+    zip writer reports a failed write (full disk, file-size limit) as a RuntimeError: made an OSError."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            e.filename = path
+        raise
+    except RuntimeError as e:
+        if "write" not in str(e).lower():
+            raise
+        raise OSError(errno.EIO, f"write failed ({str(e).strip().splitlines()[0]})", path) from None
+
+
+def _sync(f):
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def save_file(obj, path: str):
+    """torch.save to `path`, on disk (fsync) before returning; errors name the file."""
+    with naming(path), open(path, "wb") as f:
+        torch.save(obj, f)
+        _sync(f)
+
+
 def write_tensor_at(f, offset: int, tensor: torch.Tensor):
     """Write the bytes of `tensor` (row-major) at `offset` of the open binary file `f`."""
     data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
@@ -118,7 +148,7 @@ class ShardWriter:
         with FakeTensorMode():
             skeleton = map_tensors(tree, lambda t: torch.empty(t.shape, dtype=t.dtype))
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with torch.serialization.skip_data(materialize_fake_tensors=True):
+        with naming(path), torch.serialization.skip_data(materialize_fake_tensors=True):
             torch.save(skeleton, path)
         self._pending = {}  # key path -> (byte offset, meta tensor)
         for key, meta in tensor_leaves(_load_meta(path)):
@@ -132,7 +162,8 @@ class ShardWriter:
         if tensor.shape != meta.shape or tensor.dtype != meta.dtype:
             raise ValueError(f"{self.path}: {key} is {tuple(tensor.shape)} {tensor.dtype}, "
                              f"the file reserves {tuple(meta.shape)} {meta.dtype}")
-        write_tensor_at(self._file, offset, tensor)
+        with naming(self.path):
+            write_tensor_at(self._file, offset, tensor)
         del self._pending[key]
 
     def write_all(self, tree):
@@ -140,7 +171,12 @@ class ShardWriter:
             self.write(key, tensor)
 
     def close(self):
-        self._file.close()
+        """Flushed to disk (fsync) and closed."""
+        with naming(self.path):
+            try:
+                _sync(self._file)
+            finally:
+                self._file.close()
         if self._pending:
             raise ValueError(f"{self.path}: {len(self._pending)} tensors were never written, e.g. "
                              f"{next(iter(self._pending))}")

@@ -29,6 +29,9 @@ def _add_megatron_args(p):
     g.add_argument("--bf16", action="store_true", help="bf16 compute with fp32 master weights")
     g.add_argument("--recompute-activations", action="store_true",
                    help="activation checkpointing, one FLUX block at a time")
+    g.add_argument("--max-skipped-iterations", type=int, default=10,
+                   help="stop with an error after this many iterations in a row without an optimizer step "
+                        "(non-finite rewards, loss or gradients); 0: never")
     g.add_argument("--compile-blocks", action="store_true",
                    help="torch.compile each FLUX block (fuses element-wise ops; the first iteration compiles)")
 
@@ -85,7 +88,7 @@ def check_counts(args):
     for name in ("log_interval", "distributed_timeout_minutes"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("train_iters", "save_interval", "eval_interval", "save_image_interval"):
+    for name in ("train_iters", "save_interval", "eval_interval", "save_image_interval", "max_skipped_iterations"):
         if (getattr(args, name) or 0) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
 

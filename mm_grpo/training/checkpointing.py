@@ -20,8 +20,10 @@ from mm_grpo.checkpoint.loader import load_megatron_checkpoint
 from mm_grpo.checkpoint.metadata import CheckpointMeta
 from mm_grpo.checkpoint.paths import RELEASE, iteration_dir, model_key
 from mm_grpo.checkpoint.reader import MegatronCheckpoint
+from mm_grpo.checkpoint.shard_io import save_file
 from mm_grpo.checkpoint.writer import CheckpointWriter, clear_stale
 from mm_grpo.training.optim import unwrap
+from mm_grpo.training.run_guard import guarded_save
 
 
 def _rng_state():
@@ -63,21 +65,26 @@ def save_checkpoint(root, iteration, model_chunks, optimizer, scheduler, meta: C
         clear_stale(root, iteration)
     dist.barrier()
     writer = CheckpointWriter(root, meta, iteration)
+    with guarded_save(writer.tmp, f"saving iteration {iteration}"):  # a full disk: no partial folder left
+        _write_shards(writer, model_chunks, optimizer, scheduler, extra)
+    dist.barrier()
+    with guarded_save(writer.tmp, f"saving iteration {iteration}"):
+        if dist.get_rank() == 0:
+            writer.commit()
+
+
+def _write_shards(writer, model_chunks, optimizer, scheduler, extra):
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     shard_dir = os.path.dirname(writer.shard_path(tp_rank, pp_rank))
     if _distributed(optimizer):  # every DP rank keeps its own shard of Adam's state
         os.makedirs(shard_dir, exist_ok=True)
-        torch.save(optimizer.optimizer.state_dict(), _distrib_optim_file(shard_dir))
+        save_file(optimizer.optimizer.state_dict(), _distrib_optim_file(shard_dir))
     if _writes_shard():
         tree = {model_key(v, len(model_chunks)): c.state_dict() for v, c in enumerate(unwrap(model_chunks))}
         tree.update(optimizer=optimizer.state_dict(), opt_param_scheduler=scheduler.state_dict(),
                     rng_state=_rng_state(), **extra)
         writer.write_shard(tp_rank, pp_rank, tree)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        writer.commit()
-    dist.barrier()
 
 
 def load_checkpoint(path, model_chunks, optimizer=None, scheduler=None, load_optim=True, load_rng=True):

@@ -1,9 +1,15 @@
 """What every trainer's `python -m` entry does around its run: report on one rank, tear the
-process group down, and turn configuration errors into one line and exit status 2."""
+process group down, and turn errors into one line and an exit status: 2 for a bad
+configuration, a missing or unusable file or a run folder locked by another job, 3 for a run
+that had to stop (too many skipped iterations, a failed save, a collective that timed out)."""
+import os
 import sys
 import time
 
 import torch.distributed as dist
+
+from mm_grpo.checkpoint.lock import RunFolderLocked
+from mm_grpo.training import run_guard
 
 
 def train_and_report(run, report):
@@ -16,14 +22,31 @@ def train_and_report(run, report):
     return history
 
 
+def _fail(message: str, status: int, hard: bool = False):
+    print(f"mm-grpo: error: {message}", file=sys.stderr, flush=True)
+    if hard:  # a collective is broken: tearing the process group down could wait on it again
+        sys.stdout.flush()
+        os._exit(status)
+    sys.exit(status)
+
+
 def run_entry(main):
-    """Calls `main()`; a ValueError / FileNotFoundError (bad configuration, missing file) ends the
-    process with one line naming the problem instead of a traceback on every rank."""
+    """Calls `main()` (under torchrun: dying with the launcher); the errors above end the process
+    with one line naming the problem instead of a traceback on every rank."""
+    run_guard.die_with_launcher()
     try:
         main()
-    except (ValueError, FileNotFoundError) as e:
-        print(f"mm-grpo: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except (ValueError, FileNotFoundError, RunFolderLocked) as e:
+        _fail(str(e), 2)
+    except run_guard.TrainingStopped as e:
+        _fail(str(e), 3)
+    except RuntimeError as e:
+        timeout = run_guard.describe_timeout(e)
+        if timeout is None:
+            raise
+        _fail(timeout, 3, hard=True)
+    except OSError as e:  # unreadable, unwritable or full: the message names the file
+        _fail(str(e), 2)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

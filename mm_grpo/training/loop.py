@@ -8,7 +8,9 @@ finite check agreed by all ranks, the optimizer step, the LR-scheduler step. Min
 
 `TrainingRun.train` is the loop: iterations from the resumed one to --train-iters, each
 `step(iteration)`, logged; held-out evaluation before training and every --eval-interval,
-image grids every --save-image-interval, checkpoints every --save-interval and at the end.
+image grids every --save-image-interval, checkpoints every --save-interval and at the end
+(never of a skipped iteration); --max-skipped-iterations skipped in a row stop the run. The save
+folder is locked and probed before the first rollout (mm_grpo/training/run_guard.py).
 """
 import math
 import os
@@ -20,6 +22,7 @@ import torch.distributed as dist
 
 from mm_grpo.parallel.pipeline import forward_backward
 from mm_grpo.parallel.state import dp_mean
+from mm_grpo.training import run_guard
 from mm_grpo.training.checkpointing import load_checkpoint, save_checkpoint
 from mm_grpo.training.logging_utils import TrainLogger
 
@@ -82,9 +85,13 @@ class TrainingRun:
     # --- the loop ---------------------------------------------------------------------
     def train(self) -> List[Dict]:
         args = self.args
+        lock = run_guard.prepare_save_folder(args.save, run_guard.checkpoint_bytes(self.model.chunks)) \
+            if args.save else None
+        skips = run_guard.SkipGuard(args.max_skipped_iterations)
         logger = TrainLogger(args.tensorboard_dir, args.train_iters, self.start_iteration,
                              progress_bar=not args.no_progress_bar, log_interval=args.log_interval)
         history = []
+        save_due, skipped, saved = False, False, None
         try:
             if self.evaluator and args.eval_interval and self.start_iteration < args.train_iters:
                 self.evaluate(self.start_iteration, logger)  # before training
@@ -95,21 +102,32 @@ class TrainingRun:
                 history.append(stats)
                 logger.log(it + 1, stats)
                 done = it + 1
+                skipped = skips.update(done, stats)
                 eval_due = bool(args.eval_interval) and (done % args.eval_interval == 0 or done == args.train_iters)
                 image_due = bool(args.save_image_interval) and done % args.save_image_interval == 0
                 if (eval_due or image_due) and self.evaluator:
                     result = self.evaluate(done, logger, log_stats=eval_due, save_images=image_due)
                     if eval_due:
                         stats.update(result.stats)
-                if args.save and args.save_interval and done % args.save_interval == 0:
+                # A skipped iteration is not saved: the save waits for the next completed one.
+                save_due = save_due or bool(args.save and args.save_interval and done % args.save_interval == 0)
+                if save_due and not skipped:
                     self.save(done)
+                    save_due, saved = False, done
             ran = self.start_iteration < args.train_iters  # a resume past --train-iters trains nothing
-            if args.save and ran and (not args.save_interval or args.train_iters % args.save_interval):
-                self.save(args.train_iters)
+            if args.save and ran and saved != args.train_iters:
+                if skipped:
+                    if dist.get_rank() == 0:
+                        print(f"mm-grpo: warning: iteration {args.train_iters} was skipped: not saved, "
+                              f"{args.save} keeps its latest checkpoint", flush=True)
+                else:
+                    self.save(args.train_iters)
             if ran:
                 self.finish()
         finally:
             logger.close()
+            if lock is not None:
+                lock.release()
         return history
 
     # --- evaluation ---------------------------------------------------------------------
