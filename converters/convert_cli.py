@@ -12,8 +12,10 @@ package installed last owns `mm-convert`, and MindSpeed-MM's does not import mm-
 there FluxConverter is missing; `python -m converters.convert_cli` always has both.
 
 Bad input ends with one line `mm-convert: error: ...` on stderr and exit status 1
-(argument errors: jsonargparse's usage message, status 2).
+(argument errors: jsonargparse's usage message, status 2). A target inside or around the source,
+or written by training, is refused (converters/target_guard.py); SIGTERM removes the partial output.
 """
+import signal
 import sys
 
 from jsonargparse import auto_cli
@@ -25,7 +27,19 @@ from converters.flux import FluxConverter
 CONVERTERS = {"FluxConverter": FluxConverter}
 
 
+def _stop(signum, frame):
+    sys.exit(128 + signum)  # SystemExit: the temporary output folder is removed on the way out
+
+
 def main(args=None):
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args):
     if mindspeed_mm.PROBLEM:
         print(f"mm-convert: MindSpeed-MM's converters did not import ({mindspeed_mm.PROBLEM}): FluxConverter only",
               file=sys.stderr)

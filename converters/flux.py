@@ -25,6 +25,7 @@ from tqdm import tqdm
 from converters.bfl import BflWeights, looks_like_bfl
 from converters.diffusers_io import INDEX_FILE, write_diffusers_folder
 from converters.mindspeed_mm import Converter
+from converters.target_guard import prepare_target
 from mm_grpo.checkpoint import CheckpointMeta, CheckpointWriter, MegatronCheckpoint, is_megatron_checkpoint
 from mm_grpo.checkpoint.atomic import atomic_dir, atomic_entries
 from mm_grpo.checkpoint.paths import RELEASE, TRACKER_FILE
@@ -155,6 +156,7 @@ class FluxConverter(Converter):
         _refuse_unsupported(cfg)
         weights, config = open_hf_source(cfg.source_path, cfg.hf_dir, cfg.preset)
         meta = _target_meta(config, cfg.target_parallel_config, cfg.dtype, {weights.meta(h).dtype for h in weights})
+        prepare_target(cfg.source_path, cfg.target_path, in_place_ok=True)
         in_place = _same_path(cfg.source_path, cfg.target_path)
         if in_place:
             _check_in_place(cfg.target_path, cfg.overwrite)
@@ -173,6 +175,7 @@ class FluxConverter(Converter):
         _refuse_unsupported(cfg)
         _refuse_in_place(cfg.source_path, cfg.target_path, "mm_to_hf writes a diffusers folder of its own, and "
                          "the folder it replaces holds the shards being read")
+        prepare_target(cfg.source_path, cfg.target_path)
         original = _original_folder(cfg.hf_dir, cfg.max_shard_size) if cfg.hf_dir else None
         with contextlib.closing(_open_checkpoint(cfg.source_path, cfg.iteration, cfg.hf_dir)) as ckpt:
             if original:
@@ -187,6 +190,7 @@ class FluxConverter(Converter):
         _refuse_unsupported(cfg)
         _refuse_in_place(cfg.source_path, cfg.target_path, "the new layout would replace the folder holding the "
                          "shards being read (and any other iterations in it)")
+        prepare_target(cfg.source_path, cfg.target_path)
         with contextlib.closing(_open_checkpoint(cfg.source_path, cfg.iteration, cfg.hf_dir)) as ckpt:
             dtypes = {ckpt.full_meta(r).dtype for r in layout.stage_rules(ckpt.config)}
             meta = _target_meta(ckpt.config, cfg.target_parallel_config, cfg.dtype, dtypes)
