@@ -65,8 +65,8 @@ def init_process_group(timeout_minutes: int = 30):
 
 
 def initialize_parallel(parallel: ParallelConfig = ParallelConfig(), seed: int = 1234, timeout_minutes: int = 30):
-    """Start torch.distributed (if needed; collectives time out after `timeout_minutes`) and
-    megatron-core's model-parallel groups."""
+    """Start torch.distributed (if needed) and megatron-core's model-parallel groups; a collective
+    of any of them times out after `timeout_minutes` (the world group's only if started here)."""
     init_process_group(timeout_minutes)
     parallel.check(dist.get_world_size())
     destroy_parallel()
@@ -74,7 +74,8 @@ def initialize_parallel(parallel: ParallelConfig = ParallelConfig(), seed: int =
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vpp,
-        context_parallel_size=parallel.cp)
+        context_parallel_size=parallel.cp,
+        distributed_timeout_minutes=timeout_minutes)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 

@@ -1,0 +1,99 @@
+"""A flaky cluster under torchrun (2 processes, gloo): a killed launcher takes its workers with it,
+a hung rank ends the job within the timeout. Slow by nature (each waits for a kill or a timeout,
+~1-2 min): marked `slow`; docs/reliability.md has the measured figures."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mm_grpo.checkpoint.lock import LOCK_FILE, is_dead_local_owner
+from tests.distributed.conftest import REPO
+from tests.grpo_helpers import grpo_argv, write_configs
+from tests.testbed import has_megatron_training, subprocess_env
+
+pytestmark = pytest.mark.slow
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _torchrun(args, log):
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", MM_GRPO_DEVICE="cpu", PYTHONWARNINGS="ignore")
+    if has_megatron_training():
+        env = subprocess_env(env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    # Its own session and process group, as a scheduler starts a job.
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _running(pid):
+    """Alive and not a zombie (a dead child nobody has reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_killing_the_launcher_group_stops_every_worker(tiny_pipeline_dir, tmp_path):
+    model, data = write_configs(tmp_path / "cfg", tiny_pipeline_dir)
+    save = tmp_path / "ckpt"
+    argv = grpo_argv(model, data, iters=1000, extra=["--save", str(save), "--save-interval", "1"])
+    with open(tmp_path / "torchrun.log", "w") as log:
+        launcher = _torchrun(["-m", "mm_grpo.training.train_grpo", *argv], log)
+    workers = []
+    try:
+        deadline = time.time() + 300
+        while not (save / TRACKER).exists():  # training and saving
+            assert launcher.poll() is None and time.time() < deadline, (tmp_path / "torchrun.log").read_text()[-3000:]
+            time.sleep(0.5)
+        workers = _children(launcher.pid)
+        assert len(workers) == 2
+        os.killpg(launcher.pid, signal.SIGKILL)  # what a scheduler or the OOM killer does to the job
+        launcher.wait()
+        time.sleep(3)
+        assert [w for w in workers if _running(w)] == []
+        tracker = (save / TRACKER).read_text()
+        time.sleep(10)  # an orphan would save an iteration every ~2 s
+        assert (save / TRACKER).read_text() == tracker
+        holder = (save / LOCK_FILE).read_text().strip()  # left by the killed job: a requeued one takes it over
+        assert is_dead_local_owner(holder), holder
+    finally:
+        for pid in workers:  # the workers this test started, should they have survived
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path):
+    """Rank 1 stops (SIGSTOP) with --distributed-timeout-minutes 1: rank 0's data-parallel reduction
+    (a megatron-core group) times out after 1 minute, says so in one line, and the job ends."""
+    log_path = tmp_path / "torchrun.log"
+    with open(log_path, "w") as log:
+        launcher = _torchrun(["-m", "tests.distributed.hang_worker", "1"], log)
+    try:
+        rc = launcher.wait(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        pytest.fail("the job still ran 4 minutes after its start")
+    ended = time.time()
+    text = log_path.read_text()
+    stopped = float(re.search(r"rank 1 stops at ([\d.]+)", text)[1])
+    assert rc != 0 and ended - stopped < 120, (rc, ended - stopped)
+    lines = [line for line in text.splitlines() if line.startswith("mm-grpo: error:")]
+    assert len(lines) == 1, text[-3000:]
+    assert lines[0].startswith("mm-grpo: error: rank 0: collective all_reduce timed out in dp_reduce "
+                               "(mm_grpo/parallel/state.py:"), lines[0]
+    assert "Timed out waiting 60000ms" in lines[0]
