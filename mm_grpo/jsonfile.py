@@ -7,8 +7,8 @@ def load_json(path: str, what: str):
     """The parsed file; FileNotFoundError / ValueError naming `what` and `path` otherwise."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{what} not found: {path}")
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         try:
             return json.load(f)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{what} {path} is not valid JSON: {e}") from None

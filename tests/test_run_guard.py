@@ -194,3 +194,26 @@ def test_a_locked_run_folder_is_refused_in_one_line(parallel_1proc, configs, tmp
     (save / LOCK_FILE).write_text("node7:1234\n")
     status, err = _entry(grpo_argv(*configs, iters=2, extra=["--save", str(save)]), capsys)
     assert status == 2 and err.count("\n") == 1 and "in use by the job of process node7:1234" in err
+
+
+# --- 6: checksums ------------------------------------------------------------------------------------
+def test_a_flipped_byte_in_a_training_shard_stops_the_resume(parallel_1proc, configs, tmp_path, capsys):
+    from tests.test_checksum import _flip_a_byte
+    save = tmp_path / "ckpt"
+    run_grpo(grpo_argv(*configs, iters=1, extra=["--save", str(save)]))
+    shard = save / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
+    assert (save / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt.sha256").exists()
+    _flip_a_byte(shard)
+    status, err = _entry(grpo_argv(*configs, iters=2, extra=["--load", str(save)]), capsys)
+    assert status == 2 and err.count("\n") == 1 and err.startswith(f"mm-grpo: error: {shard} does not match its checksum")
+
+
+def test_file_errors_name_the_file(tmp_path):
+    from mm_grpo.data import read_prompts
+    from mm_grpo.jsonfile import load_json
+    latin1 = tmp_path / "prompts.txt"
+    latin1.write_bytes("a café\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=f"prompt file {latin1} is not UTF-8 text"):
+        read_prompts(str(latin1))
+    with pytest.raises(ValueError, match=f"--mm-data {latin1} is not valid JSON"):
+        load_json(str(latin1), "--mm-data")

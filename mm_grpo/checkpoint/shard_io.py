@@ -26,6 +26,8 @@ from typing import Iterator, Tuple
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from mm_grpo.checkpoint import checksum
+
 KeyPath = Tuple
 
 
@@ -127,10 +129,12 @@ def _sync(f):
 
 
 def save_file(obj, path: str):
-    """torch.save to `path`, on disk (fsync) before returning; errors name the file."""
-    with naming(path), open(path, "wb") as f:
-        torch.save(obj, f)
-        _sync(f)
+    """torch.save to `path`, on disk (fsync) with its checksum file before returning; errors name the file."""
+    with naming(path):
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+            _sync(f)
+        checksum.write_checksum(path)
 
 
 def write_tensor_at(f, offset: int, tensor: torch.Tensor):
@@ -171,7 +175,7 @@ class ShardWriter:
             self.write(key, tensor)
 
     def close(self):
-        """Flushed to disk (fsync) and closed."""
+        """Flushed to disk (fsync) and closed; its checksum file written once it is complete."""
         with naming(self.path):
             try:
                 _sync(self._file)
@@ -180,6 +184,8 @@ class ShardWriter:
         if self._pending:
             raise ValueError(f"{self.path}: {len(self._pending)} tensors were never written, e.g. "
                              f"{next(iter(self._pending))}")
+        with naming(self.path + checksum.SUFFIX):
+            checksum.write_checksum(self.path)
 
 
 def write_shard(path: str, tree):
@@ -194,7 +200,8 @@ class ShardReader:
 
     def __init__(self, path: str):
         self.path = path
-        self.tree = _load_meta(path)
+        self.tree = _load_meta(path)  # a truncated file is named as such first
+        checksum.verify(path)
         self._file = open(path, "rb")
 
     def get(self, *key):

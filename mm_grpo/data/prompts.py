@@ -10,21 +10,26 @@ def read_prompts(path: str) -> List[str]:
     """One prompt per line (.txt) or one JSON object per line with `prompt` or `caption` (.jsonl)."""
     if not path or not os.path.isfile(path):
         raise FileNotFoundError(f"prompt file not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"prompt file {path} is not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); "
+                         "convert it, e.g. iconv -t UTF-8") from None
     prompts = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            if path.endswith(".jsonl"):
-                try:
-                    row = json.loads(line)
-                    line = row.get("prompt", row.get("caption"))
-                except (json.JSONDecodeError, AttributeError):
-                    raise ValueError(f"{path}:{n}: not a JSON object") from None
-                if not isinstance(line, str) or not line.strip():
-                    raise ValueError(f"{path}:{n}: needs a non-empty 'prompt' or 'caption'")
-            prompts.append(line)
+    for n, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line:
+            continue
+        if path.endswith(".jsonl"):
+            try:
+                row = json.loads(line)
+                line = row.get("prompt", row.get("caption"))
+            except (json.JSONDecodeError, AttributeError):
+                raise ValueError(f"{path}:{n}: not a JSON object") from None
+            if not isinstance(line, str) or not line.strip():
+                raise ValueError(f"{path}:{n}: needs a non-empty 'prompt' or 'caption'")
+        prompts.append(line)
     if not prompts:
         raise ValueError(f"prompt file is empty: {path}")
     return prompts

@@ -54,6 +54,8 @@ def _add_megatron_args(p):
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--no-verify", action="store_true",
+                   help="read checkpoint files without checking them against their sha256 files")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=1)

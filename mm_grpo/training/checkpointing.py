@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from mm_grpo.checkpoint import checksum
 from mm_grpo.checkpoint.loader import load_megatron_checkpoint
 from mm_grpo.checkpoint.metadata import CheckpointMeta
 from mm_grpo.checkpoint.paths import RELEASE, iteration_dir, model_key
@@ -120,6 +121,7 @@ def load_checkpoint(path, model_chunks, optimizer=None, scheduler=None, load_opt
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{path} missing: the checkpoint was saved with another data-parallel "
                                         "size or without --use-distributed-optimizer (use --no-load-optim)")
+            checksum.verify(path)
             optimizer.optimizer.load_state_dict(torch.load(path, weights_only=True))
         scheduler.load_state_dict(state["opt_param_scheduler"])
     if load_rng:

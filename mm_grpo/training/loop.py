@@ -20,6 +20,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from mm_grpo.checkpoint import checksum
 from mm_grpo.parallel.pipeline import forward_backward
 from mm_grpo.parallel.state import dp_mean
 from mm_grpo.training import run_guard
@@ -68,6 +69,7 @@ class TrainingRun:
 
     def __init__(self, args):
         self.args = args
+        checksum.set_verify(not args.no_verify)  # before any checkpoint is read
         self.start_iteration = 0
         self.evaluations = {}  # iteration -> held-out stats, across resumes (checkpointed)
         self.first_eval = self.last_eval = None  # this run's first and last EvalResult
