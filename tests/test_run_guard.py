@@ -217,3 +217,16 @@ def test_file_errors_name_the_file(tmp_path):
         read_prompts(str(latin1))
     with pytest.raises(ValueError, match=f"--mm-data {latin1} is not valid JSON"):
         load_json(str(latin1), "--mm-data")
+
+
+def test_an_empty_load_folder_is_a_fresh_start(parallel_1proc, configs, tmp_path, capsys):
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    (save / ".iter_0000001.tmp").mkdir()  # hidden entries (our temps) do not count
+    _, run = run_grpo(grpo_argv(*configs, iters=0, extra=["--load", str(save), "--save", str(save)]))
+    assert not run.model.resume and run.start_iteration == 0
+    out = capsys.readouterr().out
+    assert f"mm-grpo: --load {save} holds no checkpoint yet: a fresh start from predictor.from_pretrained" in out
+    missing = tmp_path / "typo"  # a missing folder other than --save stays an error
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        run_grpo(grpo_argv(*configs, iters=0, extra=["--load", str(missing), "--save", str(save)]))

@@ -13,7 +13,8 @@
 #   MODEL_JSON     model.json (default: model.json, or model_shapes.json for the CPU demo)
 #   DATA_JSON      data.json (data_shapes.json for the CPU demo); PROMPT_FILE / EVAL_PROMPT_FILE fill it in
 #   LOAD           a converted Megatron checkpoint (mm-convert ... hf_to_mm) to start from,
-#                  or a training checkpoint to resume; SAVE where to save (default: RUN_DIR/ckpt)
+#                  or a training checkpoint to resume; SAVE where to save (default: RUN_DIR/ckpt);
+#                  LOAD=$SAVE with nothing saved yet: a fresh start from PIPELINE_DIR's weights
 #   HPS_PATH ...   reward weights named in MODEL_JSON
 #   TP PP CP       tensor / pipeline / context(Ulysses) parallel sizes
 #   NPUS_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT   torchrun (multi-node)
@@ -29,8 +30,8 @@
 #   EVAL_PROMPTS   held-out prompts per evaluation (the CPU demo: all of EVAL_PROMPT_FILE)
 #   IMAGE_INTERVAL a grid of held-out samples every IMAGE_INTERVAL iterations (RUN_DIR/samples)
 #   SAVE_INTERVAL LOG_INTERVAL     checkpoint and log intervals in iterations
-#   RUN_DIR        output folder (TensorBoard logs, checkpoints, image grids, reward_curve.png and
-#                  before_after.png)
+#   RUN_DIR        output folder (train.log, appended on each start; TensorBoard logs, checkpoints,
+#                  image grids, reward_curve.png and before_after.png)
 #   MM_GRPO_ASCEND Ascend install folder (default /usr/local/Ascend): where it exists, its CANN
 #                  cann/set_env.sh (or ascend-toolkit/set_env.sh) is sourced first and torch_npu must
 #                  import (shell/launch_env.sh); MM_GRPO_DEVICE=npu|cuda|cpu forces the device
@@ -39,6 +40,7 @@ SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$SCRIPT_DIR/../.." && pwd)"
 
 source "$REPO/shell/launch_env.sh"  # PY, DEVICE, accelerator environment
+source "$REPO/shell/run_trainer.sh"  # run_trainer: the trainer's exit status and one-line error last
 
 RUN_DIR="${RUN_DIR:-$REPO/runs/grpo_flux_$(date +%Y%m%d_%H%M%S)}"
 mkdir -p "$RUN_DIR"
@@ -88,5 +90,5 @@ OUTPUT_ARGS="--save ${SAVE:-$RUN_DIR/ckpt} --save-interval ${SAVE_INTERVAL:-100}
 
 echo "[grpo_flux.sh] device=$DEVICE nodes=$NNODES x $NPUS_PER_NODE TP=$TP PP=$PP CP=$CP run=$RUN_DIR"
 # shellcheck disable=SC2086
-PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}" "$PY" -m torch.distributed.run $DISTRIBUTED_ARGS \
-  -m mm_grpo.training.train_grpo $GPT_ARGS $MM_ARGS $GRPO_ARGS $OUTPUT_ARGS "$@" 2>&1 | tee "$RUN_DIR/train.log"
+run_trainer "$RUN_DIR/train.log" env PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}" "$PY" -m torch.distributed.run $DISTRIBUTED_ARGS \
+  -m mm_grpo.training.train_grpo $GPT_ARGS $MM_ARGS $GRPO_ARGS $OUTPUT_ARGS "$@"

@@ -12,7 +12,8 @@
 #                          (default 500; optional; needs a "reward" block in MODEL_JSON, as in
 #                          model_flow_shapes.json)
 #   LOAD           a training checkpoint to resume, or a converted checkpoint to start from;
-#                  SAVE where to save (default: RUN_DIR/ckpt)
+#                  SAVE where to save (default: RUN_DIR/ckpt); LOAD=$SAVE with nothing saved yet:
+#                  a fresh start from PIPELINE_DIR's weights
 #   TP PP CP       tensor / pipeline / context(Ulysses) parallel sizes
 #   NPUS_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT   torchrun (multi-node)
 #   GBS MBS ITERS LR WARMUP SHIFT   batch, micro-batch, iterations, learning rate, warm-up
@@ -20,7 +21,7 @@
 #   DECAY WD SEED GUIDANCE          lr decay style (constant), weight decay (1e-4), seed (1234),
 #                                   guidance embedding value (3.5)
 #   SAVE_INTERVAL LOG_INTERVAL      checkpoint (500) and log (50) intervals in iterations
-#   RUN_DIR        output folder (TensorBoard logs, checkpoints, sample grids)
+#   RUN_DIR        output folder (train.log, appended on each start; TensorBoard logs, checkpoints, sample grids)
 #   MM_GRPO_ASCEND Ascend install folder (default /usr/local/Ascend): where it exists, its CANN
 #                  cann/set_env.sh (or ascend-toolkit/set_env.sh) is sourced first and torch_npu must
 #                  import (shell/launch_env.sh); MM_GRPO_DEVICE=npu|cuda|cpu forces the device
@@ -29,6 +30,7 @@ SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$SCRIPT_DIR/../.." && pwd)"
 
 source "$REPO/shell/launch_env.sh"  # PY, DEVICE, accelerator environment
+source "$REPO/shell/run_trainer.sh"  # run_trainer: the trainer's exit status and one-line error last
 
 : "${PIPELINE_DIR:?set PIPELINE_DIR to a diffusers FLUX pipeline folder}"
 : "${DATA_DIR:?set DATA_DIR to an image-caption folder (metadata.jsonl + images)}"
@@ -60,5 +62,5 @@ OUTPUT_ARGS="--save ${SAVE:-$RUN_DIR/ckpt} --save-interval ${SAVE_INTERVAL:-500}
 
 echo "[pretrain_flux.sh] device=$DEVICE nodes=$NNODES x $NPUS_PER_NODE TP=$TP PP=$PP CP=$CP run=$RUN_DIR"
 # shellcheck disable=SC2086
-PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}" "$PY" -m torch.distributed.run $DISTRIBUTED_ARGS \
-  -m mm_grpo.training.train_flow $GPT_ARGS $MM_ARGS $FLOW_ARGS $OUTPUT_ARGS "$@" 2>&1 | tee "$RUN_DIR/train.log"
+run_trainer "$RUN_DIR/train.log" env PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}" "$PY" -m torch.distributed.run $DISTRIBUTED_ARGS \
+  -m mm_grpo.training.train_flow $GPT_ARGS $MM_ARGS $FLOW_ARGS $OUTPUT_ARGS "$@"

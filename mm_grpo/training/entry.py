@@ -23,7 +23,11 @@ def train_and_report(run, report):
 
 
 def _fail(message: str, status: int, hard: bool = False):
-    print(f"mm-grpo: error: {message}", file=sys.stderr, flush=True)
+    line = f"mm-grpo: error: {message}"
+    print(line, file=sys.stderr, flush=True)
+    if os.environ.get("MM_GRPO_ERROR_FILE"):  # the launch scripts show the first one last (shell/run_trainer.sh)
+        with open(os.environ["MM_GRPO_ERROR_FILE"], "a") as f:
+            f.write(f"{status}\t{' '.join(line.split())}\n")
     if hard:  # a collective is broken: tearing the process group down could wait on it again
         sys.stdout.flush()
         os._exit(status)

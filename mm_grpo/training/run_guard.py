@@ -157,6 +157,23 @@ def guarded_save(tmp_dir: str, what: str):
         raise TrainingStopped(f"{what} failed, partial {tmp_dir} removed: {error}")
 
 
+def fresh_start(load, save) -> bool:
+    """--load names a run folder with nothing to resume yet (empty but for our lock and temporary
+    folders, or missing when it is --save: the usual LOAD=$SAVE of a first start): the run starts
+    from the model's own weights, said in one line."""
+    if not load:
+        return False
+    if os.path.isdir(load):
+        if any(not name.startswith(".") for name in os.listdir(load)):
+            return False
+    elif not (save and os.path.abspath(load) == os.path.abspath(save)):
+        return False
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"mm-grpo: --load {load} holds no checkpoint yet: a fresh start from predictor.from_pretrained",
+              flush=True)
+    return True
+
+
 # --- a run that cannot learn -----------------------------------------------------------------
 class SkipGuard:
     """Counts skipped iterations in a row; `max_in_a_row` of them (0: never) stop the run."""

@@ -16,7 +16,7 @@ from mm_grpo.models.flux.config import FluxConfig
 from mm_grpo.models.registry import flux_config_from_block, load_pretrained
 from mm_grpo.parallel import ParallelConfig
 from mm_grpo.parallel.pipeline import build_model_chunks, resolve_pp_layers
-from mm_grpo.training import components
+from mm_grpo.training import components, run_guard
 from mm_grpo.training.optim import build_optimizer, build_scheduler, unwrap, wrap_ddp
 
 
@@ -76,8 +76,9 @@ def build_trainable(args, flux_config: FluxConfig, predictor: dict, parallel: Pa
     """Model chunks with their starting weights (not yet the resumed ones), DDP, optimizer."""
     pp_layers = resolve_pp_layers(predictor.get("pipeline_num_layers"), flux_config.num_blocks,
                                   parallel.pp, parallel.vpp or 1)
-    resume = bool(args.load) and is_training_checkpoint(args.load)
-    initial = predictor.get("from_pretrained") if resume or not args.load else args.load
+    load = None if run_guard.fresh_start(args.load, args.save) else args.load
+    resume = bool(load) and is_training_checkpoint(load)
+    initial = predictor.get("from_pretrained") if resume or not load else load
     if initial is None and not resume:
         raise ValueError("no starting weights: give --load or predictor.from_pretrained in --mm-model")
     chunks = build_model_chunks(flux_config, pp_layers)
