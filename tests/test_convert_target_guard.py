@@ -82,3 +82,32 @@ def test_temporary_folders_of_crashed_conversions_are_removed(capsys, layout):
         (folder / "release").mkdir(parents=True)
     assert _verb(capsys, "resplit", layout / "release", layout / "re")[0] == 0
     assert not stale.exists() and alive.exists() and other.exists()
+
+
+SLOW_CONVERSION = """
+import sys, time
+from mm_grpo.checkpoint.shard_io import ShardWriter
+real = ShardWriter.write
+def slow(self, key, tensor):
+    print("writing", flush=True)
+    time.sleep(0.5)
+    real(self, key, tensor)
+ShardWriter.write = slow
+from converters.convert_cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_sigterm_removes_the_partial_output(layout):
+    import signal
+    import sys
+    from tests.test_convert_cli import REPO
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_CONVERSION, "FluxConverter", "resplit", "--cfg.source_path",
+                             str(layout / "release"), "--cfg.target_path", str(layout / "re")],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore"))
+    assert proc.stdout.readline() == "writing\n"  # inside the temporary folder
+    assert [n for n in os.listdir(layout) if n.startswith(".re.tmp-")]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert not [n for n in os.listdir(layout) if n.startswith(".re.")] and not (layout / "re").exists()

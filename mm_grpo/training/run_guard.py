@@ -209,7 +209,9 @@ def describe_timeout(error: BaseException):
             collective = collective or code.co_name
         elif f"{os.sep}mm_grpo{os.sep}" in code.co_filename:
             caller = f"{code.co_name} ({os.path.relpath(code.co_filename)}:{line})"
+    if collective is None:  # not raised by a torch.distributed collective
+        return None
     rank = dist.get_rank() if dist.is_initialized() else 0
     first_line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
-    return (f"rank {rank}: collective {collective or '?'} timed out in {caller or '?'}; another rank stopped "
+    return (f"rank {rank}: collective {collective} timed out in {caller or '?'}; another rank stopped "
             f"or hung ({first_line})")
