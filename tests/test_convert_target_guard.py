@@ -6,9 +6,14 @@ import subprocess
 
 import pytest
 
-from tests.test_convert_cli import diffusers_folder, hf_to_mm, run, state_dict  # noqa: F401
+from tests.test_convert_cli import REPO, diffusers_folder, hf_to_mm, run, state_dict  # noqa: F401
 
 OVERWRITE = ("--cfg.overwrite", "true")
+
+
+def _pythonpath():
+    """This checkout first, then what the environment adds (Megatron-LM's tree in MindSpeed-MM's)."""
+    return os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
 
 
 def _snapshot(folder):
@@ -101,11 +106,10 @@ main(sys.argv[1:])
 def test_sigterm_removes_the_partial_output(layout):
     import signal
     import sys
-    from tests.test_convert_cli import REPO
     proc = subprocess.Popen([sys.executable, "-c", SLOW_CONVERSION, "FluxConverter", "resplit", "--cfg.source_path",
                              str(layout / "release"), "--cfg.target_path", str(layout / "re")],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env=dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore"))
+                            env=dict(os.environ, PYTHONPATH=_pythonpath(), PYTHONWARNINGS="ignore"))
     assert proc.stdout.readline() == "writing\n"  # inside the temporary folder
     assert [n for n in os.listdir(layout) if n.startswith(".re.tmp-")]
     proc.send_signal(signal.SIGTERM)

@@ -33,6 +33,11 @@ if "test_nan" not in REWARDS:
             return torch.full((len(images),), float("nan") if bad else 0.0) + images.flatten(1).mean(1)
 
 
+def _pythonpath():
+    """This checkout first, then what the environment adds (Megatron-LM's tree in MindSpeed-MM's)."""
+    return os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+
+
 @pytest.fixture(scope="module")
 def configs(tiny_pipeline_dir, tmp_path_factory):
     return write_configs(tmp_path_factory.mktemp("guard_cfg"), tiny_pipeline_dir,
@@ -113,7 +118,7 @@ def _run_limited(argv, file_size_limit, tmp_path):
     def limit():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
-    env = dict(os.environ, PYTHONPATH=REPO, MM_GRPO_DEVICE="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PYTHONPATH=_pythonpath(), MM_GRPO_DEVICE="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("TORCHELASTIC_RUN_ID", None)
     if has_megatron_training():
         env = subprocess_env(env)

@@ -9,6 +9,11 @@ from tests.test_launch_env import REPO
 from tests.testbed import has_megatron_training, subprocess_env
 
 
+def _pythonpath():
+    """This checkout first, then what the environment adds (Megatron-LM's tree in MindSpeed-MM's)."""
+    return os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -21,7 +26,7 @@ def test_grpo_flux_sh_exits_with_the_trainers_status_and_line(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "train.log").write_text("an earlier run's line\n")
-    env = dict(os.environ, PYTHONPATH=REPO, MM_GRPO_PYTHON=sys.executable, MM_GRPO_DEVICE="cpu",
+    env = dict(os.environ, PYTHONPATH=_pythonpath(), MM_GRPO_PYTHON=sys.executable, MM_GRPO_DEVICE="cpu",
                MM_GRPO_ASCEND=str(tmp_path / "no_ascend"), RUN_DIR=str(run_dir), NPUS_PER_NODE="1", ITERS="1",
                PROMPT_FILE=str(prompts), MASTER_PORT=str(_free_port()), PYTHONWARNINGS="ignore")
     if has_megatron_training():

@@ -19,8 +19,13 @@ pytestmark = pytest.mark.slow
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
+def _pythonpath():
+    """This checkout first, then what the environment adds (Megatron-LM's tree in MindSpeed-MM's)."""
+    return os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+
+
 def _torchrun(args, log):
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", MM_GRPO_DEVICE="cpu", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PYTHONPATH=_pythonpath(), OMP_NUM_THREADS="1", MM_GRPO_DEVICE="cpu", PYTHONWARNINGS="ignore")
     if has_megatron_training():
         env = subprocess_env(env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
