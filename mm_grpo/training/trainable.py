@@ -89,6 +89,11 @@ def build_trainable(args, flux_config: FluxConfig, predictor: dict, parallel: Pa
         entry = add_lora(chunks, lora_config, args, initial, resume)
     elif not resume:  # a resumed run takes its weights from the training checkpoint
         load_pretrained(chunks, initial)
+    else:
+        from mm_grpo.checkpoint.adapters import lora_entry
+        if lora_entry(args.load) is not None:
+            raise ValueError(f"--load {args.load} is a LoRA checkpoint (adapters only): resume it with its "
+                             "--lora-target-modules / --lora-r / --lora-alpha")
     ddp = wrap_ddp(chunks, args.use_distributed_optimizer)
     optimizer = build_optimizer(ddp, args)
     meta = CheckpointMeta(flux_config, tp_size=parallel.tp, pp_layers=pp_layers[0] if len(pp_layers) == 1 else pp_layers)
