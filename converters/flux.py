@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from converters.bfl import BflWeights, looks_like_bfl
+from converters import flux_lora
 from converters.diffusers_io import INDEX_FILE, write_diffusers_folder
 from converters.mindspeed_mm import Converter
 from mm_grpo.checkpoint import CheckpointMeta, CheckpointWriter, MegatronCheckpoint, is_megatron_checkpoint
@@ -197,6 +198,19 @@ class FluxConverter(Converter):
 
             _write_megatron(cfg.target_path, meta, full, cfg.overwrite, "resplit")
         _report("resplit", cfg.target_path, start)
+
+    def lora_mm_to_hf(self, cfg: flux_lora.LoraMmToHfConfig):
+        """Write a LoRA training checkpoint's adapters as a diffusers FLUX LoRA (pytorch_lora_weights.safetensors)."""
+        start = time.perf_counter(), time.process_time()
+        flux_lora.lora_mm_to_hf(cfg)
+        _report("lora_mm_to_hf", cfg.target_path, start)
+
+    def merge_lora_to_base(self, cfg: flux_lora.MergeLoraToBaseConfig):
+        """Merge a LoRA training checkpoint into its base weights, in the base's sharded layout."""
+        start = time.perf_counter(), time.process_time()
+        _refuse_in_place(cfg.source_path, cfg.target_path, "the merged weights would replace the base being read")
+        flux_lora.merge_lora_to_base(cfg, _write_megatron, _open_checkpoint, _check_target)
+        _report("merge_lora_to_base", cfg.target_path, start)
 
 
 def _refuse_unsupported(cfg):
