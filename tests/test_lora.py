@@ -72,3 +72,21 @@ def test_adapter_is_the_low_rank_update_of_the_weight(parallel_1proc):
 def test_bad_lora_settings_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         lora.LoRAConfig(**kwargs)
+
+
+def test_frozen_base_in_bf16_leaves_the_bf16_autocast_output_unchanged(parallel_1proc):
+    """Under bf16 autocast the linears compute in bf16 anyway: bf16 base matrices change no bit
+    (forward only: megatron-core's backward needs CUDA autocast, so bf16 training runs on accelerators)."""
+    config = CONFIG.replace(bf16=True)
+    model = load_hf_weights(FluxTransformer(config), random_reference(CONFIG, seed=3).state_dict())
+    lora.add_adapters(model, ALL, seed=1)
+    lora.copy_full_adapters(model, random_adapters(model, ALL), ALL)
+    inputs = make_inputs(CONFIG, batch=2, height=3, width=4, txt_len=5)
+    with torch.no_grad():
+        before = model(**inputs)
+        lora.freeze_base_in_bf16(model)
+        after = model(**inputs)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert all(d == torch.float32 for n, d in dtypes.items() if ".lora_" in n or n.endswith(("bias", "norm.weight")))
+    assert dtypes["double_blocks.0.img_attn.linear_qkv.weight"] == torch.bfloat16
+    assert torch.equal(after, before)
