@@ -111,7 +111,8 @@ def random_adapters(chunk, config, seed=5, std=0.05):
     for base in lora.base_rules(chunk.flux_config, config.targets):
         rows = sum(shapes[h][0] for h in base.hf)
         cols = shapes[base.hf[0]][1]
-        out[base.hf[0]] = (torch.randn(config.r, cols, generator=g) * std, torch.randn(rows, config.r, generator=g) * std)
+        a, b = torch.randn(config.r, cols, generator=g), torch.randn(rows, config.r, generator=g)
+        out[base.hf[0]] = a * std, b * std
     return out
 
 

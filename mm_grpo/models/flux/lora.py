@@ -15,7 +15,7 @@ base weight's layout rule (`layout.py`), so adapters convert, reshard and load l
 B starts at zero (the base model's output, bit for bit); A is drawn per weight from
 (seed, Stream.LORA_INIT, the weight's diffusers name), the same under every layout.
 
-Target names (ours -> diffusers FluxTransformer2DModel modules):
+`TARGETS` maps the --lora-target-modules names to the diffusers modules they adapt (docs/lora.md).
 """
 import contextlib
 import dataclasses
@@ -45,7 +45,6 @@ TARGETS = {
     "adaln": "transformer_blocks.N.norm1.linear, norm1_context.linear; single_transformer_blocks.N.norm.linear; "
              "norm_out.linear",
 }
-__doc__ += "".join(f"\n    {k:12s} {v}" for k, v in TARGETS.items()) + "\n"
 # Attention and MLP linears of every block (what flow_grpo and DiffusionNFT adapt).
 RECOMMENDED_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_in", "linear_out")
 ADAPTER_KEYS = (".lora_A.", ".lora_B.")
@@ -99,8 +98,8 @@ def add_lora_args(parser):
 
 def config_from_args(args) -> Optional[LoRAConfig]:
     """The run's LoRAConfig, or None without --lora-target-modules (refuses --lora-load then)."""
-    if not getattr(args, "lora_target_modules", None):
-        if getattr(args, "lora_load", None):
+    if not args.lora_target_modules:
+        if args.lora_load:
             raise ValueError("--lora-load needs --lora-target-modules")
         return None
     return LoRAConfig(args.lora_r, args.lora_alpha, tuple(args.lora_target_modules), args.lora_dropout)
