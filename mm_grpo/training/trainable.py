@@ -3,7 +3,9 @@ model chunks with their starting weights, DDP, optimizer, LR schedule, checkpoin
 
 Starting weights: `--load` names either a training checkpoint (`iter_*`: resume weights,
 optimizer and RNG from it) or converted weights (`release`, or a diffusers folder) to start
-from; without `--load`, `predictor.from_pretrained` of model.json.
+from; without `--load`, `predictor.from_pretrained` of model.json. With --lora-target-modules
+the starting weights are the frozen base of LoRA adapters (docs/lora.md); a LoRA training
+checkpoint holds the adapters and names its base.
 """
 import dataclasses
 import os
