@@ -260,6 +260,7 @@ def _open_checkpoint(path: str, iteration, hf_dir: Optional[str] = None) -> Mega
     metadata cannot tell."""
     ckpt = MegatronCheckpoint(path, iteration, config=_config_from(hf_dir, None))
     try:
+        flux_lora.refuse_adapter_checkpoint(ckpt)
         ckpt.check()
     except BaseException:
         ckpt.close()

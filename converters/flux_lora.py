@@ -12,7 +12,7 @@ from typing import Optional
 
 from safetensors.torch import save_file
 
-from mm_grpo.checkpoint.adapters import AdapterCheckpoint
+from mm_grpo.checkpoint.adapters import LORA_KEY, AdapterCheckpoint
 from mm_grpo.checkpoint.atomic import atomic_dir
 from mm_grpo.checkpoint.paths import iteration_dir
 from mm_grpo.models.flux import lora as flux_lora
@@ -56,6 +56,13 @@ class MergeLoraToBaseConfig:
     target_path: str
     iteration: Optional[int] = None
     overwrite: bool = False
+
+
+def refuse_adapter_checkpoint(ckpt):
+    """A LoRA training checkpoint where whole weights are expected: one line naming the LoRA verbs."""
+    if LORA_KEY in ckpt.shard(0, 0).tree:
+        raise ValueError(f"{ckpt.path} is a LoRA training checkpoint (adapters only): convert it with lora_mm_to_hf, "
+                         "or merge it into its base with merge_lora_to_base")
 
 
 def whole_adapters(source: AdapterCheckpoint):

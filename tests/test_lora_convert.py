@@ -87,6 +87,15 @@ def test_merged_model_equals_diffusers_with_the_lora_loaded(trained, tiny_pipeli
     assert rel_err(merged_out, base_out) > 1e-3  # the adapter learned something
 
 
+def test_whole_weight_verbs_refuse_a_lora_checkpoint(trained, tmp_path, capsys):
+    _, ckpt, _ = trained
+    with pytest.raises(SystemExit) as info:
+        cli("mm_to_hf", source_path=ckpt, target_path=tmp_path / "hf")
+    assert info.value.code == 1 and not (tmp_path / "hf").exists()
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("mm-convert: error: ") and "is a LoRA training checkpoint (adapters only)" in err
+
+
 def test_exported_lora_loads_back_as_the_same_adapters(trained, tmp_path):
     _, ckpt, run = trained
     cli("lora_mm_to_hf", source_path=ckpt, target_path=tmp_path / "lora")
