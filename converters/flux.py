@@ -8,7 +8,9 @@ into its own source folder (MindSpeed-MM's habit) adds the Megatron files beside
 diffusers ones the same way, the tracker file last.
 
 The options are MindSpeed-MM's `ConvertConfig` ones (checkpoint/sora_model/convert_utils/
-cfg.py) plus FLUX's own; what FLUX cannot do (LoRA paths, expert parallelism) is refused.
+cfg.py) plus FLUX's own; what these verbs cannot do (LoRA paths, expert parallelism) is refused.
+LoRA training checkpoints have verbs of their own: lora_mm_to_hf, merge_lora_to_base
+(converters/flux_lora.py).
 FluxConverter is a MindSpeed-MM `Converter` when MindSpeed-MM is importable
 (converters/mindspeed_mm.py).
 """
@@ -217,7 +219,7 @@ def _refuse_unsupported(cfg):
     """MindSpeed-MM's ConvertConfig options that mean nothing for FLUX, refused before any work."""
     if cfg.lora_path:
         raise ValueError(f"--cfg.lora_path {cfg.lora_path}: FluxConverter converts whole FLUX weights; "
-                         "LoRA weights are not supported")
+                         "LoRA weights are not supported (LoRA checkpoints: lora_mm_to_hf, merge_lora_to_base)")
     parallel = getattr(cfg, "target_parallel_config", None)
     if parallel is not None and parallel.ep_size != 1:
         raise ValueError(f"--cfg.target_parallel_config.ep_size {parallel.ep_size}: FLUX has no experts "
