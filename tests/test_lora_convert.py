@@ -21,6 +21,15 @@ TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_in",
 LORA = ["--lora-target-modules", *TARGETS, "--lora-r", "4", "--lora-alpha", "8"]
 
 
+@pytest.fixture(autouse=True)
+def peft_without_mindspeed_te_dummies(monkeypatch):
+    """In MindSpeed-MM's environment MindSpeed's Transformer Engine shim defines dummy
+    `transformer_engine.pytorch` classes (torch.nn.Module itself, no LayerNormMLP): peft would take
+    every linear for a TE one and fail. The reference side of these tests is plain diffusers + peft."""
+    from peft.tuners.lora import te
+    monkeypatch.setattr(te, "is_te_pytorch_available", lambda: False)
+
+
 def cli(verb, **options):
     args = ["FluxConverter", verb]
     for k, v in options.items():
