@@ -117,12 +117,12 @@ def add_lora(chunks, config: lora.LoRAConfig, args, initial: Optional[str], resu
         initial, ranks = checkpoint_base(args.load) or initial, saved.get("ranks", {})
         if initial is None:
             raise ValueError(f"the base weights of {args.load} are gone: give predictor.from_pretrained in --mm-model")
-    load_pretrained(chunks, initial)
     loaded = None
-    if args.lora_load and not resume:
+    if args.lora_load and not resume:  # read (and checked) before the base weights
         from mm_grpo.models.flux.lora_hf import read_diffusers_lora
         loaded = read_diffusers_lora(args.lora_load, chunks[0].flux_config, config)
         ranks = {name: a.shape[0] for name, (a, _) in loaded.items() if a.shape[0] != config.r}
+    load_pretrained(chunks, initial)
     for chunk in chunks:
         lora.add_adapters(chunk, config, args.seed, ranks)
         if loaded is not None:
