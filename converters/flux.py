@@ -8,7 +8,9 @@ into its own source folder (MindSpeed-MM's habit) adds the Megatron files beside
 diffusers ones the same way, the tracker file last.
 
 The options are MindSpeed-MM's `ConvertConfig` ones (checkpoint/sora_model/convert_utils/
-cfg.py) plus FLUX's own; what FLUX cannot do (LoRA paths, expert parallelism) is refused.
+cfg.py) plus FLUX's own; what these verbs cannot do (LoRA paths, expert parallelism) is refused.
+LoRA training checkpoints have verbs of their own: lora_mm_to_hf, merge_lora_to_base
+(converters/flux_lora.py).
 FluxConverter is a MindSpeed-MM `Converter` when MindSpeed-MM is importable
 (converters/mindspeed_mm.py).
 """
@@ -23,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from converters.bfl import BflWeights, looks_like_bfl
+from converters import flux_lora
 from converters.diffusers_io import INDEX_FILE, write_diffusers_folder
 from converters.mindspeed_mm import Converter
 from converters.target_guard import prepare_target
@@ -202,12 +205,25 @@ class FluxConverter(Converter):
             _write_megatron(cfg.target_path, meta, full, cfg.overwrite, "resplit")
         _report("resplit", cfg.target_path, start)
 
+    def lora_mm_to_hf(self, cfg: flux_lora.LoraMmToHfConfig):
+        """Write a LoRA training checkpoint's adapters as a diffusers FLUX LoRA (pytorch_lora_weights.safetensors)."""
+        start = time.perf_counter(), time.process_time()
+        flux_lora.lora_mm_to_hf(cfg)
+        _report("lora_mm_to_hf", cfg.target_path, start)
+
+    def merge_lora_to_base(self, cfg: flux_lora.MergeLoraToBaseConfig):
+        """Merge a LoRA training checkpoint into its base weights, in the base's sharded layout."""
+        start = time.perf_counter(), time.process_time()
+        _refuse_in_place(cfg.source_path, cfg.target_path, "the merged weights would replace the base being read")
+        flux_lora.merge_lora_to_base(cfg, _write_megatron, _open_checkpoint, _check_target)
+        _report("merge_lora_to_base", cfg.target_path, start)
+
 
 def _refuse_unsupported(cfg):
     """MindSpeed-MM's ConvertConfig options that mean nothing for FLUX, refused before any work."""
     if cfg.lora_path:
         raise ValueError(f"--cfg.lora_path {cfg.lora_path}: FluxConverter converts whole FLUX weights; "
-                         "LoRA weights are not supported")
+                         "LoRA weights are not supported (LoRA checkpoints: lora_mm_to_hf, merge_lora_to_base)")
     parallel = getattr(cfg, "target_parallel_config", None)
     if parallel is not None and parallel.ep_size != 1:
         raise ValueError(f"--cfg.target_parallel_config.ep_size {parallel.ep_size}: FLUX has no experts "
@@ -250,6 +266,7 @@ def _open_checkpoint(path: str, iteration, hf_dir: Optional[str] = None) -> Mega
     metadata cannot tell."""
     ckpt = MegatronCheckpoint(path, iteration, config=_config_from(hf_dir, None))
     try:
+        flux_lora.refuse_adapter_checkpoint(ckpt)
         ckpt.check()
     except BaseException:
         ckpt.close()

@@ -98,3 +98,48 @@ def gather_hf_state_dict(chunks):
     parts = [None] * ps.get_pipeline_model_parallel_world_size()
     dist.all_gather_object(parts, local, group=ps.get_pipeline_model_parallel_group())
     return {k: v for part in parts for k, v in part.items()}
+
+
+def random_adapters(chunk, config, seed=5, std=0.05):
+    """Whole random LoRA adapters {base weight's first diffusers name: (A, B)} for every target of
+    the model (any chunk: shapes come from the layout), B non-zero unlike a new adapter's."""
+    from mm_grpo.models.flux import lora
+    from mm_grpo.models.flux.hf_weights import expected_hf_shapes
+    shapes = expected_hf_shapes(chunk.flux_config)
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for base in lora.base_rules(chunk.flux_config, config.targets):
+        rows = sum(shapes[h][0] for h in base.hf)
+        cols = shapes[base.hf[0]][1]
+        a, b = torch.randn(config.r, cols, generator=g), torch.randn(rows, config.r, generator=g)
+        out[base.hf[0]] = a * std, b * std
+    return out
+
+
+def gather_adapters(chunk, attr="data"):
+    """Whole adapter tensors (param data or grad) of a chunk gathered over TP, by rule.hf."""
+    from mm_grpo.models.flux import lora
+    group = parallel_state.get_tensor_model_parallel_group()
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    params = dict(chunk.named_parameters())
+    out = {}
+    targets = {lora.target_of(n.rsplit(".lora_", 1)[0]) for n in params if ".lora_" in n}
+    for rule in lora.chunk_adapter_rules(chunk, targets):
+        p = params[rule.megatron]
+        local = p.data if attr == "data" else (p.grad if p.grad is not None else p.main_grad)
+        local = local.detach().contiguous()
+        shards = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(shards, local, group=group)
+        out[rule.hf] = layout.unshard(rule, shards, chunk.flux_config)
+    return out
+
+
+def gather_adapter_state(chunks):
+    """Whole adapter tensors of this rank's chunks gathered over TP and PP (every rank gets all), by rule.hf."""
+    from megatron.core import parallel_state as ps
+    local = {}
+    for chunk in chunks:
+        local.update(gather_adapters(getattr(chunk, "module", chunk), "data"))
+    parts = [None] * ps.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(parts, local, group=ps.get_pipeline_model_parallel_group())
+    return {k: v for part in parts for k, v in part.items()}

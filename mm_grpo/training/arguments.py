@@ -8,6 +8,7 @@ import argparse
 
 from mm_grpo.grpo.schedule import GRPOSettings
 from mm_grpo.jsonfile import load_json
+from mm_grpo.models.flux.lora import add_lora_args
 from mm_grpo.settings import add_setting_args
 
 
@@ -81,6 +82,7 @@ def build_parser(add_args=_add_grpo_args):
     p = argparse.ArgumentParser(description="mm-grpo training (Megatron-style arguments)",
                                 allow_abbrev=False)
     _add_megatron_args(p)
+    add_lora_args(p)
     add_args(p)
     return p
 

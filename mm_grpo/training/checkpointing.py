@@ -17,12 +17,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from mm_grpo.checkpoint import checksum
+from mm_grpo.checkpoint.adapters import load_adapter_checkpoint
 from mm_grpo.checkpoint.loader import load_megatron_checkpoint
 from mm_grpo.checkpoint.metadata import CheckpointMeta
 from mm_grpo.checkpoint.paths import RELEASE, iteration_dir, model_key
 from mm_grpo.checkpoint.reader import MegatronCheckpoint
 from mm_grpo.checkpoint.shard_io import save_file
 from mm_grpo.checkpoint.writer import CheckpointWriter, clear_stale
+from mm_grpo.models.flux.lora import adapter_state_dict, has_adapters
 from mm_grpo.training.optim import unwrap
 from mm_grpo.training.run_guard import guarded_save
 
@@ -82,7 +84,9 @@ def _write_shards(writer, model_chunks, optimizer, scheduler, extra):
         os.makedirs(shard_dir, exist_ok=True)
         save_file(optimizer.optimizer.state_dict(), _distrib_optim_file(shard_dir))
     if _writes_shard():
-        tree = {model_key(v, len(model_chunks)): c.state_dict() for v, c in enumerate(unwrap(model_chunks))}
+        # A LoRA run saves its adapters only (the frozen base is in its `lora` entry's `base`).
+        tree = {model_key(v, len(model_chunks)): adapter_state_dict(c) if has_adapters(c) else c.state_dict()
+                for v, c in enumerate(unwrap(model_chunks))}
         tree.update(optimizer=optimizer.state_dict(), opt_param_scheduler=scheduler.state_dict(),
                     rng_state=_rng_state(), **extra)
         writer.write_shard(tp_rank, pp_rank, tree)
@@ -94,7 +98,8 @@ def load_checkpoint(path, model_chunks, optimizer=None, scheduler=None, load_opt
     Returns (iteration, extra) where extra holds e.g. `consumed_prompts`; a `release`
     checkpoint (from the converter) gives iteration 0 and no extra state."""
     folder = iteration_dir(path)
-    meta = load_megatron_checkpoint(unwrap(model_chunks), folder)
+    chunks = unwrap(model_chunks)
+    meta = (load_adapter_checkpoint if has_adapters(chunks[0]) else load_megatron_checkpoint)(chunks, folder)
     if os.path.basename(folder) == RELEASE:
         return 0, {}
     same_layout = (meta.tp_size, meta.pp_size, meta.vpp_size) == (

@@ -158,8 +158,9 @@ class TrainingRun:
     # --- checkpoints ------------------------------------------------------------------
     def save(self, iteration):
         m = self.model
+        lora = {"lora": m.lora} if m.lora else {}
         save_checkpoint(self.args.save, iteration, m.chunks, m.optimizer, m.scheduler, m.meta,
-                        {"iteration": iteration, "evaluations": self.evaluations, **self.checkpoint_extras()})
+                        {"iteration": iteration, "evaluations": self.evaluations, **lora, **self.checkpoint_extras()})
 
     def resume(self) -> Dict:
         """Weights, optimizer, scheduler, RNG, iteration and evaluations from --load; the other extras."""

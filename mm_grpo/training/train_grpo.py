@@ -18,6 +18,7 @@ from megatron.core import parallel_state
 
 from mm_grpo import get_platform
 from mm_grpo.grpo.schedule import GRPOSchedule, GRPOSettings
+from mm_grpo.models.flux import lora
 from mm_grpo.models.registry import load_pretrained
 from mm_grpo.parallel import initialize_parallel
 from mm_grpo.parallel.pipeline import build_model_chunks
@@ -75,7 +76,9 @@ class GRPORun(TrainingRun):
         # The policy.
         self.model = build_trainable(args, self.flux_config, predictor, parallel)
         ref_policy = None
-        if args.kl_beta > 0:  # the frozen reference is the starting policy
+        if args.kl_beta > 0 and self.model.lora:  # the base: the policy's own weights, adapters off
+            ref_policy = lora.reference_policy(self.model.modules)
+        elif args.kl_beta > 0:  # the frozen reference is the starting policy
             if self.model.initial is None:
                 raise ValueError("--kl-beta > 0 needs the starting weights: predictor.from_pretrained in --mm-model")
             ref_policy = load_pretrained(build_model_chunks(self.flux_config, self.model.pp_layers), self.model.initial)

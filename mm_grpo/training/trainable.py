@@ -3,7 +3,9 @@ model chunks with their starting weights, DDP, optimizer, LR schedule, checkpoin
 
 Starting weights: `--load` names either a training checkpoint (`iter_*`: resume weights,
 optimizer and RNG from it) or converted weights (`release`, or a diffusers folder) to start
-from; without `--load`, `predictor.from_pretrained` of model.json.
+from; without `--load`, `predictor.from_pretrained` of model.json. With --lora-target-modules
+the starting weights are the frozen base of LoRA adapters (docs/lora.md); a LoRA training
+checkpoint holds the adapters and names its base.
 """
 import dataclasses
 import os
@@ -12,6 +14,7 @@ from typing import List, Optional
 from mm_grpo import get_platform
 from mm_grpo.checkpoint.metadata import CheckpointMeta
 from mm_grpo.checkpoint.paths import RELEASE, is_megatron_checkpoint, iteration_dir
+from mm_grpo.models.flux import lora
 from mm_grpo.models.flux.config import FluxConfig
 from mm_grpo.models.registry import flux_config_from_block, load_pretrained
 from mm_grpo.parallel import ParallelConfig
@@ -65,6 +68,7 @@ class Trainable:
     pp_layers: List[List[int]]
     initial: Optional[str]  # the starting weights (None when resuming without from_pretrained)
     resume: bool  # --load is a training checkpoint: call `load_checkpoint` after building
+    lora: Optional[dict] = None  # a LoRA run's checkpoint entry (mm_grpo/checkpoint/adapters.py)
 
     @property
     def modules(self):
@@ -82,9 +86,48 @@ def build_trainable(args, flux_config: FluxConfig, predictor: dict, parallel: Pa
     if initial is None and not resume:
         raise ValueError("no starting weights: give --load or predictor.from_pretrained in --mm-model")
     chunks = build_model_chunks(flux_config, pp_layers)
-    if not resume:  # a resumed run takes its weights from the training checkpoint
+    lora_config = lora.config_from_args(args)
+    entry = None
+    if lora_config is not None:
+        entry = add_lora(chunks, lora_config, args, initial, resume)
+    elif not resume:  # a resumed run takes its weights from the training checkpoint
         load_pretrained(chunks, initial)
+    else:
+        from mm_grpo.checkpoint.adapters import lora_entry
+        if lora_entry(args.load) is not None:
+            raise ValueError(f"--load {args.load} is a LoRA checkpoint (adapters only): resume it with its "
+                             "--lora-target-modules / --lora-r / --lora-alpha")
     ddp = wrap_ddp(chunks, args.use_distributed_optimizer)
     optimizer = build_optimizer(ddp, args)
     meta = CheckpointMeta(flux_config, tp_size=parallel.tp, pp_layers=pp_layers[0] if len(pp_layers) == 1 else pp_layers)
-    return Trainable(ddp, optimizer, build_scheduler(optimizer, args), meta, pp_layers, initial, resume)
+    return Trainable(ddp, optimizer, build_scheduler(optimizer, args), meta, pp_layers, initial, resume, entry)
+
+
+def add_lora(chunks, config: lora.LoRAConfig, args, initial: Optional[str], resume: bool) -> dict:
+    """The base weights (a resumed run's: those its checkpoint recorded), frozen, and adapters
+    (from --lora-load, or new); returns the checkpoint entry (mm_grpo/checkpoint/adapters.py)."""
+    from mm_grpo.checkpoint.adapters import checkpoint_base, lora_entry
+    ranks = {}
+    if resume:
+        saved = lora_entry(args.load)
+        if saved is None:
+            raise ValueError(f"--load {args.load} is a full training checkpoint, not a LoRA one: "
+                             "resume it without --lora-target-modules")
+        if lora.LoRAConfig.from_json(saved["config"]) != config:
+            raise ValueError(f"--load {args.load} was trained with LoRA {saved['config']}, not {config.to_json()}")
+        initial, ranks = checkpoint_base(args.load) or initial, saved.get("ranks", {})
+        if initial is None:
+            raise ValueError(f"the base weights of {args.load} are gone: give predictor.from_pretrained in --mm-model")
+    loaded = None
+    if args.lora_load and not resume:  # read (and checked) before the base weights
+        from mm_grpo.models.flux.lora_hf import read_diffusers_lora
+        loaded = read_diffusers_lora(args.lora_load, chunks[0].flux_config, config)
+        ranks = {name: a.shape[0] for name, (a, _) in loaded.items() if a.shape[0] != config.r}
+    load_pretrained(chunks, initial)
+    for chunk in chunks:
+        lora.add_adapters(chunk, config, args.seed, ranks)
+        if loaded is not None:
+            lora.copy_full_adapters(chunk, loaded, config)
+        if args.bf16:
+            lora.freeze_base_in_bf16(chunk)
+    return {"config": config.to_json(), "ranks": ranks, "base": os.path.abspath(initial)}

@@ -12,13 +12,17 @@ import torch.distributed as dist
 
 from tests.distributed.worker import check
 from tests.grpo_helpers import ADAM_LINEAR, LAYOUTS, SMOOTH_REWARD, grpo_argv, run_grpo, write_configs
-from tests.utils import gather_hf_state_dict
+from tests.utils import gather_adapter_state, gather_hf_state_dict
 
 AWM = ["--policy-loss", "awm", "--sampler", "ode"]
 # Seed 3 puts the 3-step window at steps 3-5 of 6 (a shared 3-step ODE prefix, its middle step
 # reused) and then at steps 0-2 (no prefix).
 BRANCH = ["--timestep-selection", "branch", "--init-same-noise", "--window-size", "3", "--ode-reuse", "2"]
-VARIANTS = {"ppo": [], "awm": AWM, "branch": BRANCH}
+# LoRA on every kind of target linear (adaLN too), the KL term's reference = adapters off.
+LORA = ["--lora-target-modules", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_in", "linear_out",
+        "adaln", "--lora-r", "4", "--kl-beta", "0.05"]
+VARIANTS = {"ppo": [], "awm": AWM, "branch": BRANCH, "lora": LORA}
+LORA_LAYOUTS = {"tp2pp2": LAYOUTS["tp2"] + LAYOUTS["pp2"], "dp2": ["--use-distributed-optimizer"]}
 # Group advantages gathered over 2 ranks: unequal row counts, groups spanning both ranks.
 ADVANTAGE_REWARDS = [0.3, 0.9, 0.1, 0.4, 0.8, 0.2, 0.7, 0.6]
 ADVANTAGE_PROMPTS = ["p0", "p1", "p0", "p1", "p0", "p1", "p0", "p1"]
@@ -46,7 +50,8 @@ def advantages_gathered():
 def _layout_argv(name):
     """'tp2' / 'awm_tp2' / 'branch_tp2' -> the layout's extra trainer arguments."""
     variant, _, layout = name.rpartition("_")
-    return LAYOUTS[layout] + ADAM_LINEAR + VARIANTS[variant or "ppo"]
+    layouts = dict(LAYOUTS, **LORA_LAYOUTS) if variant == "lora" else LAYOUTS
+    return layouts[layout] + ADAM_LINEAR + VARIANTS[variant or "ppo"]
 
 
 def _run_layout(name):
@@ -58,8 +63,9 @@ def _run_layout(name):
     history, run = run_grpo(grpo_argv(model_json, data_json, iters=2,
                                       extra=_layout_argv(name) + ["--save", os.path.join(out, f"ckpt_{name}")]))
     weights = gather_hf_state_dict(run.model.chunks)
+    adapters = gather_adapter_state(run.model.chunks) if run.model.lora else None
     if dist.get_rank() == 0:
-        torch.save({"history": history, "weights": weights}, os.path.join(out, f"grpo_{name}.pt"))
+        torch.save({"history": history, "weights": weights, "adapters": adapters}, os.path.join(out, f"grpo_{name}.pt"))
     return {"losses": [h["loss"] for h in history]}
 
 
@@ -121,6 +127,31 @@ def grpo_branch_pp2():
 @check(2)
 def grpo_branch_dp2():
     return _run_layout("branch_dp2")
+
+
+@check(2)
+def grpo_lora_tp2():
+    return _run_layout("lora_tp2")
+
+
+@check(2)
+def grpo_lora_sp2():
+    return _run_layout("lora_sp2")
+
+
+@check(2)
+def grpo_lora_pp2():
+    return _run_layout("lora_pp2")
+
+
+@check(2)
+def grpo_lora_dp2():
+    return _run_layout("lora_dp2")
+
+
+@check(4)
+def grpo_lora_tp2pp2():
+    return _run_layout("lora_tp2pp2")
 
 
 @check(2)

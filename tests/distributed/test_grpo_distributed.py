@@ -1,6 +1,7 @@
 """GRPO under TP2 / SP2 / PP2 / DP2 equals the single-process run (losses, rewards, weights), with
-the PPO loss, with advantage-weighted matching and with Flow-GRPO-Fast branching; the distributed
-optimizer's exact resume; group advantages gathered over two ranks."""
+the PPO loss, with advantage-weighted matching, with Flow-GRPO-Fast branching and with LoRA (also
+TP2 x PP2, and DP2 with the distributed optimizer); the distributed optimizer's exact resume; group
+advantages gathered over two ranks."""
 import os
 
 import pytest
@@ -18,23 +19,24 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def single_process(parallel_1proc, tiny_pipeline_dir, tmp_path_factory):
-    """{"ppo" | "awm" | "branch": (history, weights)} of the single-process runs."""
-    from tests.utils import gather_hf_state_dict
+    """{"ppo" | "awm" | "branch" | "lora": (history, weights, adapters)} of the single-process runs."""
+    from tests.utils import gather_adapter_state, gather_hf_state_dict
     cfg = write_configs(tmp_path_factory.mktemp("grpo1"), tiny_pipeline_dir, reward=SMOOTH_REWARD)
     out = {}
     for variant, extra in VARIANTS.items():
         history, run = run_grpo(grpo_argv(*cfg, iters=2, extra=ADAM_LINEAR + extra))
-        out[variant] = history, gather_hf_state_dict(run.model.chunks)
+        adapters = gather_adapter_state(run.model.chunks) if run.model.lora else None
+        out[variant] = history, gather_hf_state_dict(run.model.chunks), adapters
     return out
 
 
-@pytest.mark.parametrize("layout", [f"{v}{layout}" for v in ("", "awm_", "branch_") for layout in ("tp2", "sp2", "pp2",
-                                                                                                 "dp2")])
+@pytest.mark.parametrize("layout", [f"{v}{layout}" for v in ("", "awm_", "branch_", "lora_")
+                                    for layout in ("tp2", "sp2", "pp2", "dp2")] + ["lora_tp2pp2"])
 def test_two_grpo_iterations_match_single_process(torchrun, grpo_out_dir, single_process, layout):
-    check_result(torchrun(2), f"grpo_{layout}")
+    check_result(torchrun(4 if layout.endswith("tp2pp2") else 2), f"grpo_{layout}")
     result = torch.load(os.path.join(grpo_out_dir, f"grpo_{layout}.pt"), weights_only=False)
     variant, _, _ = layout.rpartition("_")
-    history, weights = single_process[variant or "ppo"]
+    history, weights, adapters = single_process[variant or "ppo"]
     assert len(result["history"]) == len(history) == 2
     for ours, ref in zip(result["history"], history):
         assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
@@ -49,6 +51,12 @@ def test_two_grpo_iterations_match_single_process(torchrun, grpo_out_dir, single
     assert errs[worst] <= TOL, worst
     # The run really trained: a non-zero gradient reached the optimizer in both iterations.
     assert min(h["grad_norm"] for h in history) > 0
+    if adapters is not None:  # LoRA: the base stayed as it was (compared above), the adapters trained
+        assert set(result["adapters"]) == set(adapters)
+        errs = {n: rel_err(result["adapters"][n], a) for n, a in adapters.items()}
+        worst = max(errs, key=errs.get)
+        assert errs[worst] <= TOL, worst
+        assert all(a.abs().max() > 0 for n, a in adapters.items() if n[0].endswith("lora_B.weight"))
 
 
 def test_distributed_optimizer_resumes_exactly(torchrun):

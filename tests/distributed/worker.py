@@ -5,11 +5,14 @@ a function registered with `@check(world_sizes)`; it returns a dict of metrics, 
 pytest side asserts on (tests/distributed/test_*.py). Run by tests/distributed/conftest.py:
 
     torchrun --nproc_per_node N -m tests.distributed.worker OUT.json
+
+MM_GRPO_CHECKS=REGEX in the environment runs only the checks whose name it matches (a manual run).
 """
 import importlib
 import importlib.util
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -60,8 +63,9 @@ def main(out_path):
     init_process_group(timeout_minutes=COLLECTIVE_TIMEOUT_MINUTES)
     world, rank = dist.get_world_size(), dist.get_rank()
     results = {}
+    only = os.environ.get("MM_GRPO_CHECKS")
     for fn, sizes in checks:
-        if world not in sizes:
+        if world not in sizes or (only and not re.search(only, fn.__name__)):
             continue
         start = time.time()
         try:

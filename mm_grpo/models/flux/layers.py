@@ -38,6 +38,15 @@ def _plain_gemm(layer, x) -> bool:
             and not torch.is_autocast_enabled(x.device.type))
 
 
+def _with_adapter(layer, x, out):
+    """`out` plus the layer's LoRA adapter's output on its input `x`, when it has one that is on
+    (mm_grpo/models/flux/lora.py)."""
+    adapter = layer.__dict__.get("adapter")
+    if adapter is None or not adapter.enabled:
+        return out
+    return out + adapter(layer, x)
+
+
 class ColumnLinear(ColumnParallelLinear):
     """megatron-core's ColumnParallelLinear. Without TP and autocast the bias goes into the
     GEMM (`F.linear`, i.e. addmm): megatron-core adds it in a second pass over the output,
@@ -46,8 +55,10 @@ class ColumnLinear(ColumnParallelLinear):
     def forward(self, input_, weight=None, runtime_gather_output=None):
         if weight is None and _plain_gemm(self, input_):
             bias = None if self.skip_bias_add else self.bias
-            return F.linear(input_, self.weight, bias), (self.bias if self.skip_bias_add else None)
-        return super().forward(input_, weight, runtime_gather_output)
+            out, bias = F.linear(input_, self.weight, bias), (self.bias if self.skip_bias_add else None)
+        else:
+            out, bias = super().forward(input_, weight, runtime_gather_output)
+        return _with_adapter(self, input_, out), bias
 
 
 class RowLinear(RowParallelLinear):
@@ -56,8 +67,10 @@ class RowLinear(RowParallelLinear):
     def forward(self, input_):
         if _plain_gemm(self, input_):
             bias = None if self.skip_bias_add else self.bias
-            return F.linear(input_, self.weight, bias), (self.bias if self.skip_bias_add else None)
-        return super().forward(input_)
+            out, bias = F.linear(input_, self.weight, bias), (self.bias if self.skip_bias_add else None)
+        else:
+            out, bias = super().forward(input_)
+        return _with_adapter(self, input_, out), bias
 
     def forward_parts(self, parts):
         """`self(torch.cat(parts, -1))` without materialising the concatenation: one GEMM per
@@ -69,7 +82,7 @@ class RowLinear(RowParallelLinear):
         out = self.bias
         for part, w in zip(parts, weights):
             out = torch.addmm(out, part.reshape(-1, part.shape[-1]), w.t())
-        return out.view(*lead, -1)
+        return _with_adapter(self, parts, out.view(*lead, -1))
 
 
 def column_linear(in_dim, out_dim, tconfig, gather_output=False):
