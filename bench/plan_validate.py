@@ -79,7 +79,7 @@ class LiveTensorMeter(TorchDispatchMode):
         return out
 
 
-def write_configs(folder, paths, preset, mbs):
+def write_configs(folder, paths, preset):
     model = {"ae": {"from_pretrained": paths["pipeline"]},
              "text_encoder": {"from_pretrained": paths["pipeline"], "max_sequence_length": preset.text_tokens,
                               "embeddings_cache": paths["cache"]},
@@ -108,7 +108,8 @@ def trainer_argv(model_json, data_json, preset, layout, mbs, iters, steps):
 
 
 def measure(argv):
-    """(peak bytes, phase of the peak, bytes after building) of one trainer run on this rank."""
+    """(peak bytes, phase of the peak, bytes after building, peak of each phase) of one trainer run
+    on this rank."""
     from mm_grpo.parallel import destroy_parallel
     from mm_grpo.training import train_grpo
     from mm_grpo.training.arguments import parse_args
@@ -137,8 +138,7 @@ def measure(argv):
     finally:
         train_grpo.optimizer_step = step
     destroy_parallel()
-    measure.phase_peaks = meter.phase_peaks
-    return meter.peak, meter.peak_phase, built
+    return meter.peak, meter.peak_phase, built, meter.phase_peaks
 
 
 def job_of(preset, steps, mbs, extra):
@@ -174,13 +174,13 @@ def run_measurements(args):
     with tempfile.TemporaryDirectory() as tmp:
         folder = os.path.join(tmp, f"rank{rank}")
         os.makedirs(folder)
-        model_json, data_json = write_configs(folder, paths, preset, args.micro_batch_size)
+        model_json, data_json = write_configs(folder, paths, preset)
         for name in names:
             tp, pp, sp, _ = LAYOUTS[name]
             start = time.time()
             argv = trainer_argv(model_json, data_json, preset, name, args.micro_batch_size, args.iters, args.steps)
-            peak, phase, built = measure(argv)
-            mine = dict(rank=rank, measured=peak, phase=phase, built=built, phase_peaks=measure.phase_peaks,
+            peak, phase, built, phase_peaks = measure(argv)
+            mine = dict(rank=rank, measured=peak, phase=phase, built=built, phase_peaks=phase_peaks,
                         seconds=round(time.time() - start, 1))
             everyone = [None] * world
             dist.all_gather_object(everyone, mine)

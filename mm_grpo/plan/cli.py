@@ -142,7 +142,8 @@ def plan(args):
     return config, job, device, rows
 
 
-def print_table(config, job, device, rows, args, out=sys.stdout):
+def print_table(config, job, device, rows, args, out=None):
+    out = out or sys.stdout
     full = f"LoRA rank {job.lora_rank}" if job.lora_rank else "full"
     print(f"FLUX {f.total_params(config) / 1e9:.2f}B ({args.model}), {full}, {job.height}x{job.width} "
           f"({job.image_tokens} image + {job.text_tokens} text tokens), G={job.num_generations}, N="
