@@ -33,5 +33,6 @@ setup(
         # torch_npu / mindspeed are used when present and never required.
         "npu": ["torch_npu", "mindspeed"],
     },
-    entry_points={"console_scripts": ["mm-convert = converters.convert_cli:main"]},
+    entry_points={"console_scripts": ["mm-convert = converters.convert_cli:main",
+                                      "mm-grpo = mm_grpo.plan.cli:console"]},
 )
