@@ -79,9 +79,11 @@ def main(argv=None):
         for source, per_prompt in rows[key].items():
             acc = torch.stack(per_prompt)  # [prompts, noises]
             rate = acc.mean(1)
+            in_band = ((rate >= 0.2) & (rate <= 0.6)).float().mean().item()
+            any_success = (rate > 0).float().mean().item()
             print(f"| {key} | {source} | {len(per_prompt)} | {acc.numel()} | {acc.mean().item():.3f} | "
                   f"{sum(atoms[(key, source)]) / len(per_prompt):.3f} | "
-                  f"{((rate >= 0.2) & (rate <= 0.6)).float().mean().item():.2f} | {(rate > 0).float().mean().item():.2f} |")
+                  f"{in_band:.2f} | {any_success:.2f} |")
 
 
 if __name__ == "__main__":

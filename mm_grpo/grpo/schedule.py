@@ -151,7 +151,8 @@ class GRPOSettings:
     ratio_norm: bool = setting(False, "ppo: GRPO-Guard's RatioNorm (the log-ratio's mean bias removed, scaled by "
                                       "the step std)")
     nft_beta: float = setting(1.0, "nft: beta, the mixing coefficient of the implicit positive / negative policies")
-    updates_per_rollout: int = setting(1, "optimizer steps per rollout (update u trains the samples s with s mod U == u)")
+    updates_per_rollout: int = setting(1, "optimizer steps per rollout (update u trains the samples s with "
+                                          "s mod U == u)")
     seed: int = 1234
 
     def check(self, dp_size: int):
@@ -191,7 +192,8 @@ class GRPOSettings:
         if not self.nft_beta > 0:
             raise ValueError(f"--nft-beta must be > 0, got {self.nft_beta}")
         if self.sampler == "ode" and self.policy_loss == "ppo":
-            raise ValueError("the ode sampler has no log-probabilities: choose an SDE sampler, or --policy-loss awm")
+            raise ValueError("the ode sampler has no log-probabilities: choose an SDE sampler, or --policy-loss awm "
+                             "or nft")
         if self.sampler == "ode" and self.init_same_noise:
             raise ValueError("--sampler ode with --init-same-noise draws the same image G times (every advantage 0): "
                              "drop --init-same-noise (SAME_NOISE=0)")
