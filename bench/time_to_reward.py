@@ -1,4 +1,5 @@
-"""Time to reward: DanceGRPO-style full mode against MixGRPO's sliding window and Flow-GRPO-Fast's branching.
+"""Time to reward: DanceGRPO-style full mode against MixGRPO's sliding window, Flow-GRPO-Fast's
+branching, advantage-weighted matching, DiffusionNFT and PPO with GRPO-Guard's RatioNorm.
 
     python -m bench.time_to_reward [--preset tiny --iters 40 --window-iters 60 --seeds 1 2 3
                                     --eval-every 4 --lr 3e-3 --window-size 2
@@ -7,7 +8,8 @@
 Each (mode, seed) trains the preset's pipeline from the same weights with mm-grpo's GRPO
 schedule (JPEG compressibility; tiny: lr 3e-3, G = 8, 16 images, N = 8; bench: see
 bench/grpo_setup.py, where training dominates the iteration), every mode with the same initial
-noise within a group (DanceGRPO's init_same_noise, which branching needs). Training rewards are not
+noise within a group (DanceGRPO's init_same_noise, which branching needs), except the awm and nft
+modes, which roll out with ODE (a group then differs by its initial noises). Training rewards are not
 comparable between modes: window mode samples with ODE steps outside its window, which
 alone makes images smoother. So every `--eval-every` iterations every run is scored the same
 way, outside the timed clock: deterministic ODE sampling of a fixed set (the 8 prompts x 2
@@ -34,6 +36,14 @@ MODES = {
     "window+reuse": dict(timestep_selection="window", window_shift_every=25, ode_reuse=2),
     "branch": dict(timestep_selection="branch"),
     "branch+reuse": dict(timestep_selection="branch", ode_reuse=2),
+    "awm": dict(policy_loss="awm", sampler="ode", init_same_noise=False),
+    "nft": dict(policy_loss="nft", sampler="ode", init_same_noise=False),
+    "ppo+rationorm": dict(ratio_norm=True),
+    # 4 optimizer updates per rollout (a quarter of the images each; micro-batch 4 so they split)
+    "full-x4": dict(updates_per_rollout=4, micro_batch_size=4),
+    "ppo+rationorm-x4": dict(ratio_norm=True, updates_per_rollout=4, micro_batch_size=4),
+    "awm-x4": dict(policy_loss="awm", sampler="ode", init_same_noise=False, updates_per_rollout=4, micro_batch_size=4),
+    "nft-x4": dict(policy_loss="nft", sampler="ode", init_same_noise=False, updates_per_rollout=4, micro_batch_size=4),
 }
 
 
@@ -56,7 +66,7 @@ def evaluate(schedule, samples_per_prompt=2):
 
 def run(preset, paths, mode, seed, iters, eval_every, window_size=2):
     schedule, step = build_mm_grpo(preset, paths, torch.device("cpu"), seed=seed, window_size=window_size,
-                             init_same_noise=True, **MODES[mode])
+                                   **{"init_same_noise": True, **MODES[mode]})
     curve = [dict(iteration=0, wall=0.0, eval=evaluate(schedule))]
     wall = 0.0
     for it in range(iters):
@@ -104,7 +114,8 @@ def plot(results, means, target, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    for mode, color in zip(results, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")):
+    colors = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray")
+    for mode, color in zip(results, colors):
         per_iteration = seconds_per_iteration(results[mode])
         for curve in results[mode]:
             pts = [p for p in curve if "eval" in p]

@@ -1,11 +1,12 @@
-"""Group advantages, the PPO-clip loss and advantage-weighted matching (advantages gathered over
-2 ranks: tests/distributed/test_grpo_distributed.py)."""
+"""Group advantages, the PPO-clip loss (and GRPO-Guard's RatioNorm), advantage-weighted matching and
+DiffusionNFT's loss (advantages gathered over 2 ranks: tests/distributed/test_grpo_distributed.py)."""
 import math
 
 import pytest
 import torch
 
-from mm_grpo.grpo import NonFiniteRewardError, awm_loss, group_advantages, grpo_loss
+from mm_grpo.grpo import (NonFiniteRewardError, awm_loss, group_advantages, grpo_loss, nft_loss,
+                          optimality_probability)
 from tests.utils import assert_one_line_error
 
 
@@ -156,3 +157,105 @@ def test_awm_loss_bad_input():
                           "equal \\[B, ...\\] shapes")
     with pytest.raises(ValueError, match="reference velocity when kl_beta > 0"):
         awm_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2), kl_beta=0.1)
+
+
+# --- GRPO-Guard's RatioNorm and DiffusionNFT, against a direct float64 evaluation ------------
+def _gaussian_logp64(x, mean, std):
+    """log N(x; mean, std^2) averaged over the elements of each row, float64."""
+    x, mean, std = x.double(), mean.double(), std.double().view(-1, *[1] * (x.ndim - 1))
+    return (-((x - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)).flatten(1).mean(1)
+
+
+def test_ratio_norm_matches_the_published_formula_in_float64():
+    """log r_hat = std * (log r + mean|mu - mu_old|^2 / (2 std^2)), which for x' = mu_old + std eps
+    equals mean(eps * (mu - mu_old)): the bias removed and the 1/std scale gone."""
+    g = torch.Generator().manual_seed(0)
+    B, shape = 6, (5, 4)
+    std = torch.tensor([0.05, 0.1, 0.3, 0.05, 0.2, 0.8])
+    old_mean = torch.randn(B, *shape, generator=g)
+    eps = torch.randn(B, *shape, generator=g)
+    x = old_mean + std.view(-1, 1, 1) * eps
+    mean = (old_mean + 0.02 * torch.randn(B, *shape, generator=g)).requires_grad_()
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    c = 0.01
+    logp = _gaussian_logp64(x, mean, std).float()
+    old_logp = _gaussian_logp64(x, old_mean, std).float()
+    loss, stats = grpo_loss(logp, old_logp, adv, clip_range=c, mean=mean, std=std.view(-1, 1, 1), old_mean=old_mean)
+    # direct float64 evaluation of the formulas
+    d = mean.detach().double() - old_mean.double()
+    log_r = _gaussian_logp64(x, mean.detach(), std) - _gaussian_logp64(x, old_mean, std)
+    log_r_hat = std.double() * (log_r + (d**2).flatten(1).mean(1) / (2 * std.double() ** 2))
+    eps64 = (x.double() - old_mean.double()) / std.double().view(-1, 1, 1)  # x' = mu_old + std eps, read back
+    torch.testing.assert_close(log_r_hat, (eps64 * d).flatten(1).mean(1), rtol=1e-9, atol=1e-12)
+    r = log_r_hat.exp()
+    a = adv.double()
+    expected = torch.maximum(-a * r, -a * r.clamp(1 - c, 1 + c)).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-4, abs=1e-7)
+    assert stats["ratio_mean"].item() == pytest.approx(r.mean().item(), rel=1e-5)
+    # the plain ratio of the low-noise rows is far from 1, the normalised one is not
+    assert (log_r.abs().max() > 10 * log_r_hat.abs().max()).item()
+    loss.backward()
+    assert torch.isfinite(mean.grad).all() and mean.grad.abs().sum() > 0
+    # on-policy (mean == old mean): exactly ratio 1, as without RatioNorm
+    _, on = grpo_loss(old_logp, old_logp, adv, mean=old_mean, std=std.view(-1, 1, 1), old_mean=old_mean.clone())
+    assert on["ratio_min"].item() == on["ratio_max"].item() == 1.0
+    with pytest.raises(ValueError, match="RatioNorm needs mean and old_mean"):
+        grpo_loss(logp, old_logp, adv, old_mean=old_mean)
+
+
+def test_optimality_probability_is_the_clipped_normalised_reward():
+    rewards = torch.tensor([0.0, 1.0, 2.0, 10.0, 4.0, 4.0, 4.0, 4.0])
+    adv = group_advantages(rewards, [0, 0, 0, 0, 1, 1, 1, 1])
+    r = optimality_probability(adv)
+    g = rewards[:4].double()
+    z = (g - g.mean()) / g.std()
+    expected = 0.5 + 0.5 * z.clamp(-1, 1)
+    torch.testing.assert_close(r[:4].double(), expected, rtol=1e-6, atol=1e-6)
+    assert r[4:].tolist() == [0.5] * 4  # equal rewards: neither positive nor negative
+    assert r.min() >= 0 and r.max() <= 1
+
+
+def test_nft_loss_matches_the_published_formula_in_float64():
+    g = torch.Generator().manual_seed(2)
+    B, shape, beta = 4, (6, 3), 0.7
+    v, v_old, x0, noise, ref_v = (torch.randn(B, *shape, generator=g) for _ in range(5))
+    r = torch.tensor([1.0, 0.0, 0.25, 0.5])
+    v.requires_grad_()
+    loss, stats = nft_loss(v, v_old, x0, noise, r, beta=beta, kl_beta=0.1, ref_v=ref_v)
+    V, Vo, target = v.detach().double(), v_old.double(), noise.double() - x0.double()
+    pos = (((1 - beta) * Vo + beta * V - target) ** 2).flatten(1).mean(1)
+    neg = (((1 + beta) * Vo - beta * V - target) ** 2).flatten(1).mean(1)
+    kl = ((V - ref_v.double()) ** 2).mean()
+    expected = (r.double() * pos + (1 - r.double()) * neg).mean() + 0.1 * kl
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert stats["kl"].item() == pytest.approx(kl.item(), rel=1e-6)
+    loss.backward()
+    # d/dv: [r * 2 beta (v+ - v*) - (1 - r) * 2 beta (v- - v*)] / (elements * B) + KL's pull
+    n = V[0].numel()
+    grad = (r.double().view(-1, 1, 1) * 2 * beta * ((1 - beta) * Vo + beta * V - target)
+            - (1 - r.double()).view(-1, 1, 1) * 2 * beta * ((1 + beta) * Vo - beta * V - target)) / (n * B)
+    grad = grad + 0.1 * 2 * (V - ref_v.double()) / V.numel()
+    torch.testing.assert_close(v.grad.double(), grad, rtol=1e-5, atol=1e-7)
+
+
+def test_nft_step_moves_towards_positive_and_away_from_negative_samples():
+    """At v_theta = v_old, a gradient step moves a positive sample's velocity towards its target and a
+    negative sample's away from it (the direction of AWM's gradient, in the sign of r - 1/2)."""
+    g = torch.Generator().manual_seed(3)
+    x0, noise, v_old = (torch.randn(2, 6, 4, generator=g) for _ in range(3))
+    v = v_old.clone().requires_grad_()
+    loss, _ = nft_loss(v, v_old, x0, noise, torch.tensor([1.0, 0.0]))
+    loss.backward()
+    stepped = v.detach() - 0.1 * v.grad
+    err = lambda w, b: ((w[b] - (noise[b] - x0[b])) ** 2).mean().item()  # noqa: E731
+    assert err(stepped, 0) < err(v_old, 0)
+    assert err(stepped, 1) > err(v_old, 1)
+
+
+def test_nft_loss_bad_input():
+    z = torch.zeros(2, 3)
+    assert_one_line_error(lambda: nft_loss(z, torch.zeros(2, 4), z, z, torch.zeros(2)), "equal \\[B, ...\\] shapes")
+    with pytest.raises(ValueError, match="beta > 0"):
+        nft_loss(z, z, z, z, torch.zeros(2), beta=0.0)
+    with pytest.raises(ValueError, match="reference velocity when kl_beta > 0"):
+        nft_loss(z, z, z, z, torch.zeros(2), kl_beta=0.1)

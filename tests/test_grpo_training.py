@@ -149,6 +149,54 @@ def test_awm_trains_on_the_rollout_samples_renoised_to_the_trained_steps(paralle
         _error(grpo_argv(*configs, extra=["--sampler", "ode", "--policy-loss", "awm", "--init-same-noise"]))
 
 
+def test_nft_with_an_ema_old_policy_resumes_exactly(parallel_1proc, configs, tmp_path):
+    """--policy-loss nft with --ema-decay: the EMA samples the rollouts (nft's old policy), follows
+    DiffusionNFT's decay schedule, is what the evaluation scores, and resumes from a checkpoint exactly."""
+    nft = ["--policy-loss", "nft", "--sampler", "ode", "--ema-decay", "0.5", "--ema-decay-ramp", "0.2",
+           "--updates-per-rollout", "2"]
+    full, run_full = run_grpo(grpo_argv(*configs, iters=4, extra=nft))
+    assert [h["ema_decay"] for h in full] == [0.0, 0.2, 0.4, 0.5]
+    assert all(h["skipped"] == 0.0 and h["fm_loss"] > 0 and 0 < h["optimality_mean"] < 1 for h in full)
+    ema, policy = run_full.ema.modules[0], run_full.model.modules[0]
+    assert run_full.schedule.sampling_policy[0] is ema and run_full.evaluated_policy()[0] is ema
+    assert any(not torch.equal(a, b) for a, b in zip(ema.parameters(), policy.parameters()))
+    first, _ = run_grpo(grpo_argv(*configs, iters=2, extra=nft + ["--save", str(tmp_path / "ckpt")]))
+    second, run_resumed = run_grpo(grpo_argv(*configs, iters=4, extra=nft + ["--load", str(tmp_path / "ckpt")]))
+    assert run_resumed.start_iteration == 2
+    assert [h["reward/mean"] for h in first + second] == [h["reward/mean"] for h in full]
+    assert [h["loss"] for h in first + second] == [h["loss"] for h in full]
+    ema = lambda run: dict(run.ema.modules[0].named_parameters())  # noqa: E731
+    for a, b in ((_weights(run_full), _weights(run_resumed)), (ema(run_full), ema(run_resumed))):
+        assert all(torch.equal(a[n], b[n]) for n in a)
+    run_grpo(grpo_argv(*configs, iters=1, extra=["--save", str(tmp_path / "ckpt_plain")]))
+    with pytest.raises(ValueError, match="holds no EMA"):
+        _error(grpo_argv(*configs, iters=4, extra=["--ema-decay", "0.5", "--load", str(tmp_path / "ckpt_plain")]))
+
+
+def test_nft_without_ema_starts_from_the_policy_itself(parallel_1proc, configs):
+    """On-policy nft: v_old is the rollout policy's velocity on each row, so at the first micro-batch
+    v+ = v- = v_old = v_theta and the loss is the plain flow-matching loss."""
+    _, run = run_grpo(grpo_argv(*configs, iters=0, extra=["--policy-loss", "nft", "--sampler", "ode"]))
+    s = run.schedule
+    assert run.ema is None and s.sampling_policy is s.policy
+    updates, _ = s.prepare(0, run.prompts.next_batch(2))
+    mb = updates[0][0]
+    v = s._velocity(s.policy, mb)
+    assert torch.equal(mb["old_v"], v)
+    loss, stats = s.loss_fn(v, mb)
+    assert loss.item() == pytest.approx(stats["fm_loss"].item(), rel=1e-6)
+
+
+def test_ratio_norm_keeps_the_first_ratio_at_one_and_moves_later_ones(parallel_1proc, configs):
+    history, _ = run_grpo(grpo_argv(*configs, iters=1, extra=["--ratio-norm", "--updates-per-rollout", "2",
+                                                               "--clip-range", "0.2"]))
+    stats = history[0]
+    assert stats["ratio_first_mb_min"] == 1.0 == stats["ratio_first_mb_max"]
+    assert stats["ratio_max"] > 1.0 or stats["ratio_min"] < 1.0
+    with pytest.raises(ValueError, match="--ratio-norm normalises PPO's importance ratio"):
+        _error(grpo_argv(*configs, extra=["--ratio-norm", "--policy-loss", "awm", "--sampler", "ode"]))
+
+
 # --- bad input: clear errors before any work ------------------------------------------
 def _error(argv):
     from mm_grpo.training.arguments import parse_args

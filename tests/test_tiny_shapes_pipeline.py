@@ -26,3 +26,19 @@ def test_diffusers_samples_the_shipped_pipeline_above_chance():
     # Measured: 0.35 for the model, 0.09 for chance (docs/demo.md): a margin far beyond the
     # spread of 27 prompts (std of the mean ~ 0.05).
     assert frac.mean().item() > chance + 0.12, (frac.mean().item(), chance)
+
+
+def test_family_prompt_files_are_the_held_out_family_subsets():
+    """grpo_pair / eval_pair: the pair prompts of grpo.txt / eval.txt; the background splits put each
+    object on one background for GRPO and on the other for evaluation (bench/family_base_rates.py)."""
+    from mm_grpo.data.shapes import PromptSpec
+    folder = EVAL.parent
+    read = lambda name: (folder / name).read_text().splitlines()  # noqa: E731
+    for split in ("grpo", "eval"):
+        assert read(f"{split}_pair.txt") == [c for c in read(f"{split}.txt") if PromptSpec.parse(c).family == "pair"]
+    grpo, ev = (list(map(PromptSpec.parse, read(f"{s}_background.txt"))) for s in ("grpo", "eval"))
+    assert len(grpo) == len(ev) == 15 and all(s.family == "single" and s.background for s in grpo + ev)
+    assert {(s.objects, s.background) for s in grpo}.isdisjoint({(s.objects, s.background) for s in ev})
+    assert sorted(s.objects[0].phrase() for s in grpo) == sorted(s.objects[0].phrase() for s in ev)
+    pretrain = set(read("pretrain.txt"))
+    assert not pretrain & set(read("grpo_pair.txt") + read("eval_pair.txt") + read("grpo_background.txt"))

@@ -20,10 +20,11 @@
 #   NPUS_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT   torchrun (multi-node)
 #   GBS MBS G STEPS ITERS LR SEED  batch, micro-batch, generations per prompt, denoising steps,
 #                                  iterations, learning rate, seed
-#   SAMPLER TIMESTEPS CLIP         dance_sde | flow_sde | cps (| ode with POLICY_LOSS=awm SAME_NOISE=0); random | ordered | window
+#   SAMPLER TIMESTEPS CLIP         dance_sde | flow_sde | cps (| ode with POLICY_LOSS=awm|nft SAME_NOISE=0); random | ordered | window
 #                                  (MixGRPO) | branch (Flow-GRPO-Fast: sets SAME_NOISE=1); clip range
 #   WINDOW ODE_REUSE               SDE steps of the window / branch; model every k-th ODE step outside it
-#   POLICY_LOSS    ppo (PPO-clip on log-probs) | awm (advantage-weighted flow matching, docs/grpo_schedule.md section 7)
+#   POLICY_LOSS    ppo (PPO-clip on log-probs) | awm (advantage-weighted flow matching) | nft (DiffusionNFT;
+#                  with --ema-decay its old policy is an EMA) (docs/grpo_schedule.md section 7)
 #   SAME_NOISE=1   the same initial noise for a prompt's G generations (DanceGRPO's init_same_noise;
 #                  on in the CPU demo)
 #   EVAL_INTERVAL  held-out evaluation (before training, every EVAL_INTERVAL iterations, at the end)

@@ -94,3 +94,10 @@ def group_advantages(
         std = var.sqrt()[inverse]
     advantages = (centred / (std + eps)).clamp(-clip_max, clip_max)
     return advantages[offset : offset + rewards.shape[0]].float()
+
+
+def optimality_probability(advantages: torch.Tensor) -> torch.Tensor:
+    """DiffusionNFT's optimality probability r = 1/2 + 1/2 clip((R - E[R]) / Z, -1, 1) (Zheng et al.
+    2025, arXiv 2509.16117) from group-normalised advantages A = (R - mean) / std: in [0, 1],
+    1/2 at the group's mean reward."""
+    return 0.5 + 0.5 * advantages.float().clamp(-1.0, 1.0)

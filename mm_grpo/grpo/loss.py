@@ -1,5 +1,6 @@
 """GRPO policy losses of one micro-batch (one trained step per row): PPO-clip on the rollout's
-log-probabilities, or advantage-weighted matching on its final samples."""
+log-probabilities (optionally with GRPO-Guard's RatioNorm), advantage-weighted matching or
+DiffusionNFT's negative-aware flow matching on its final samples."""
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -17,8 +18,17 @@ def grpo_loss(
     mean: Optional[torch.Tensor] = None,
     ref_mean: Optional[torch.Tensor] = None,
     std: Optional[torch.Tensor] = None,
+    old_mean: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """L = mean(max(-A r, -A clip(r, 1-c, 1+c))) + beta * KL, r = exp(logp - logp_old).
+
+    RatioNorm (GRPO-Guard, Wang et al. 2025, arXiv 2510.22319, Eq. 8), when the old policy's
+    step mean `old_mean` is given: for a Gaussian step x' = mu_old + std eps, the log-ratio is
+    log r = <eps, d>/std - |d|^2 / (2 std^2) with d = mu - mu_old (both averaged over the
+    elements, as the log-probs are): its mean sits below 0 and its spread grows as 1/std at the
+    low-noise steps, so clipping acts unevenly. The normalised ratio removes that bias and scale,
+    log r_hat = std * (log r + |d|^2 / (2 std^2)) = <eps, d>,
+    zero-mean under the old policy with a spread that does not depend on the step's std.
 
     KL to a reference policy (given mean, ref_mean and the step std from the sampler outputs):
     mean over non-batch dims of (mean - ref_mean)^2 / (2 std^2), then over the micro-batch.
@@ -32,7 +42,14 @@ def grpo_loss(
         )
     if not clip_range > 0 or kl_beta < 0:
         raise ValueError(f"need clip_range > 0 and kl_beta >= 0, got {clip_range!r} and {kl_beta!r}")
-    ratio = torch.exp(log_prob - old_log_prob)
+    log_ratio = log_prob - old_log_prob
+    if old_mean is not None:
+        if mean is None or std is None or mean.shape != old_mean.shape or mean.shape[0] != log_prob.shape[0]:
+            raise ValueError("RatioNorm needs mean and old_mean of the same [B, ...] shape and the step std")
+        std_b = std.float().reshape(-1) if std.numel() > 1 else std.float().reshape(()).expand(len(log_prob))
+        bias = ((mean.float() - old_mean.float()) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std_b**2)
+        log_ratio = std_b * (log_ratio + bias)
+    ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
     loss = torch.maximum(unclipped, clipped).mean()
@@ -54,7 +71,7 @@ def grpo_loss(
             "ratio_min": ratio.min(),
             "ratio_max": ratio.max(),
             "clip_frac": ((ratio - 1).abs() > clip_range).float().mean(),
-            "approx_kl": 0.5 * ((log_prob - old_log_prob) ** 2).mean(),
+            "approx_kl": 0.5 * (log_ratio**2).mean(),
             "kl": kl.detach(),
         }
     return loss, stats
@@ -89,4 +106,51 @@ def awm_loss(
         loss = loss + kl_beta * kl
     with torch.no_grad():
         stats = {"loss": loss.detach().clone(), "fm_loss": fm.mean(), "kl": kl.detach()}
+    return loss, stats
+
+
+def nft_loss(
+    v_pred: torch.Tensor,
+    v_old: torch.Tensor,
+    x0: torch.Tensor,
+    noise: torch.Tensor,
+    optimality: torch.Tensor,
+    *,
+    beta: float = 1.0,
+    kl_beta: float = 0.0,
+    ref_v: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """DiffusionNFT's negative-aware flow matching (Zheng et al. 2025, arXiv 2509.16117):
+
+        v+ = (1 - beta) v_old + beta v_theta,   v- = (1 + beta) v_old - beta v_theta,
+        L  = mean(r |v+ - v*|^2 + (1 - r) |v- - v*|^2) + kl_beta * |v_theta - v_ref|^2,
+
+    with v* = noise - x0 the flow-matching target of x_t = (1 - sigma) x0 + sigma noise, v_old the
+    old (sampling) policy's velocity at x_t (no gradient) and r in [0, 1] each sample's optimality
+    probability (`optimality_probability`). |.|^2 is a mean over the elements of a row. Its
+    optimum moves v_theta from v_old towards the velocity of the samples with r > 1/2 and away
+    from those with r < 1/2, by a step whose size 1/beta sets.
+    """
+    if not (optimality.ndim == 1 and v_pred.shape == v_old.shape == x0.shape == noise.shape
+            and v_pred.shape[0] == len(optimality)):
+        raise ValueError(f"v_pred, v_old, x0 and noise must be equal [B, ...] shapes and optimality [B], got "
+                         f"{tuple(v_pred.shape)}, {tuple(v_old.shape)}, {tuple(x0.shape)}, {tuple(noise.shape)}, "
+                         f"{tuple(optimality.shape)}")
+    if not beta > 0 or kl_beta < 0 or (kl_beta > 0 and ref_v is None):
+        raise ValueError(f"need beta > 0, kl_beta >= 0 and the reference velocity when kl_beta > 0 "
+                         f"(got beta {beta!r}, kl_beta {kl_beta!r})")
+    v, v_old = v_pred.float(), v_old.float().detach()
+    target = noise.float() - x0.float()
+    dims = tuple(range(1, v.ndim))
+    positive = (((1 - beta) * v_old + beta * v - target) ** 2).mean(dim=dims)
+    negative = (((1 + beta) * v_old - beta * v - target) ** 2).mean(dim=dims)
+    r = optimality.float()
+    loss = (r * positive + (1 - r) * negative).mean()
+    kl = torch.zeros((), device=v_pred.device)
+    if ref_v is not None:
+        kl = ((v - ref_v.float()) ** 2).mean()
+        loss = loss + kl_beta * kl
+    with torch.no_grad():
+        stats = {"loss": loss.detach().clone(), "fm_loss": ((v - target) ** 2).mean(dim=dims).mean(),
+                 "optimality_mean": r.mean(), "kl": kl.detach()}
     return loss, stats

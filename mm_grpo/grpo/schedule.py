@@ -25,8 +25,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from mm_grpo.flow import noisy_latents
-from mm_grpo.grpo.advantages import NonFiniteRewardError, group_advantages
-from mm_grpo.grpo.loss import awm_loss, grpo_loss
+from mm_grpo.grpo.advantages import NonFiniteRewardError, group_advantages, optimality_probability
+from mm_grpo.grpo.loss import awm_loss, grpo_loss, nft_loss
 from mm_grpo.grpo.timesteps import (SlidingWindow, branch_window, dance_grpo_timesteps, flow_grpo_timesteps,
                                     window_timesteps)
 from mm_grpo.parallel.pipeline import PER_SAMPLE_CONDITIONING, make_velocity_fn
@@ -41,7 +41,9 @@ TIMESTEP_SELECTIONS = ("random", "ordered", "window", "branch")  # DanceGRPO, Fl
 # --- what --policy-loss decides ---------------------------------------------------------
 class Objective:
     """What `--policy-loss` decides: `draw` (per-iteration randomness of the loss), `fields` (what a
-    trained (sample, step) row holds), `attach_reference` (its KL target) and `loss`."""
+    trained (sample, step) row holds), `attach_reference` (its KL target), `attach_old` (the
+    sampling policy's velocity on the row, when `needs_old`) and `loss`."""
+    needs_old = False
 
     def __init__(self, settings: "GRPOSettings", sampler, sigmas):
         self.s, self.sampler, self.sigmas = settings, sampler, sigmas
@@ -51,7 +53,15 @@ class Objective:
 
 
 class PPOObjective(Objective):
-    """PPO-clip on log-probs: a trained row is the rollout's transition x_t -> x_t+1 and its log-prob."""
+    """PPO-clip on log-probs: a trained row is the rollout's transition x_t -> x_t+1 and its log-prob
+    (with --ratio-norm also the rollout policy's step mean, for GRPO-Guard's RatioNorm)."""
+
+    def __init__(self, settings: "GRPOSettings", sampler, sigmas):
+        super().__init__(settings, sampler, sigmas)
+        self.needs_old = settings.ratio_norm
+
+    def attach_old(self, mb, v_old):
+        mb["old_mean"] = self.step(mb, v_old).mean
 
     def fields(self, traj, r, t, k, drawn) -> dict:
         return dict(hidden_states=traj.latents[r, t], x_next=traj.latents[r, t + 1], sigma_next=self.sigmas[t + 1],
@@ -66,7 +76,8 @@ class PPOObjective(Objective):
     def loss(self, v, mb):
         step = self.step(mb, v)
         return grpo_loss(step.log_prob, mb["old_log_prob"], mb["advantages"], clip_range=self.s.clip_range,
-                         kl_beta=self.s.kl_beta, mean=step.mean, ref_mean=mb.get("ref_mean"), std=step.std)
+                         kl_beta=self.s.kl_beta, mean=step.mean, ref_mean=mb.get("ref_mean"), std=step.std,
+                         old_mean=mb.get("old_mean"))
 
 
 class AWMObjective(Objective):
@@ -88,7 +99,21 @@ class AWMObjective(Objective):
         return awm_loss(v, mb["x0"], mb["noise"], mb["advantages"], kl_beta=self.s.kl_beta, ref_v=mb.get("ref_v"))
 
 
-OBJECTIVES = {"ppo": PPOObjective, "awm": AWMObjective}  # --policy-loss
+class NFTObjective(AWMObjective):
+    """DiffusionNFT: the rows of AWM (x0 re-noised by forward-process noise) and the sampling (old)
+    policy's velocity on each; the loss weighs the implicit positive and negative policies by the
+    sample's optimality probability."""
+    needs_old = True
+
+    def attach_old(self, mb, v_old):
+        mb["old_v"] = v_old
+
+    def loss(self, v, mb):
+        return nft_loss(v, mb["old_v"], mb["x0"], mb["noise"], optimality_probability(mb["advantages"]),
+                        beta=self.s.nft_beta, kl_beta=self.s.kl_beta, ref_v=mb.get("ref_v"))
+
+
+OBJECTIVES = {"ppo": PPOObjective, "awm": AWMObjective, "nft": NFTObjective}  # --policy-loss
 
 
 # --- settings (each `setting` is also a command-line flag: mm_grpo/settings.py) ---------------
@@ -120,9 +145,14 @@ class GRPOSettings:
     kl_beta: float = setting(0.0, "weight of the KL term to the frozen starting policy")
     policy_loss: str = setting(
         "ppo", "ppo: PPO-clip on the rollout's log-probs (DanceGRPO / Flow-GRPO); awm: advantage-weighted flow "
-               "matching on the rollout's samples (AWM / DiffusionNFT; any sampler, ode included)",
+               "matching on the rollout's samples (AWM); nft: DiffusionNFT's negative-aware flow matching around "
+               "the sampling policy (awm and nft: any sampler, ode included)",
         choices=tuple(OBJECTIVES))
-    updates_per_rollout: int = setting(1, "optimizer steps per rollout (the batch is split into this many parts)")
+    ratio_norm: bool = setting(False, "ppo: GRPO-Guard's RatioNorm (the log-ratio's mean bias removed, scaled by "
+                                      "the step std)")
+    nft_beta: float = setting(1.0, "nft: beta, the mixing coefficient of the implicit positive / negative policies")
+    updates_per_rollout: int = setting(1, "optimizer steps per rollout (update u trains the samples s with "
+                                          "s mod U == u)")
     seed: int = 1234
 
     def check(self, dp_size: int):
@@ -157,8 +187,13 @@ class GRPOSettings:
         if self.timestep_selection == "branch" and not self.init_same_noise:
             raise ValueError("--timestep-selection branch needs --init-same-noise: a group branches from one "
                              "shared ODE prefix")
+        if self.ratio_norm and self.policy_loss != "ppo":
+            raise ValueError("--ratio-norm normalises PPO's importance ratio: it needs --policy-loss ppo")
+        if not self.nft_beta > 0:
+            raise ValueError(f"--nft-beta must be > 0, got {self.nft_beta}")
         if self.sampler == "ode" and self.policy_loss == "ppo":
-            raise ValueError("the ode sampler has no log-probabilities: choose an SDE sampler, or --policy-loss awm")
+            raise ValueError("the ode sampler has no log-probabilities: choose an SDE sampler, or --policy-loss awm "
+                             "or nft")
         if self.sampler == "ode" and self.init_same_noise:
             raise ValueError("--sampler ode with --init-same-noise draws the same image G times (every advantage 0): "
                              "drop --init-same-noise (SAME_NOISE=0)")
@@ -214,13 +249,19 @@ class GRPOSchedule:
 
     policy: the bare model chunks (not their DDP wrappers) the rollout runs, without gradients;
     the training loop trains their wrappers. ref_policy: the frozen reference of the KL term.
+    old_policy: nft's old policy (an EMA of the trained one, kept by the trainer), which then also
+    samples the rollouts; None: the policy itself as it is at the rollout.
     conditioner(prompts) -> (prompt_embeds, pooled, txt_ids); decoder(x0, height, width) ->
     images in [0, 1]; reward(images, prompts) -> (total [B], {name: [B]})."""
 
     def __init__(self, settings: GRPOSettings, policy: list, conditioner: Callable, decoder: Callable,
-                 reward: Callable, ref_policy: Optional[list] = None, device=None):
+                 reward: Callable, ref_policy: Optional[list] = None, device=None,
+                 old_policy: Optional[list] = None):
         self.s = settings
         self.policy, self.ref_policy = list(policy), ref_policy
+        # Who samples (and gives nft's v_old): PPO's log-probs must be the trained policy's own.
+        self.sampling_policy = list(old_policy) if old_policy is not None and settings.policy_loss == "nft" \
+            else self.policy
         self.conditioner, self.decoder, self.reward = conditioner, decoder, reward
         self.device = device or torch.device("cpu")
         self.dp_group = parallel_state.get_data_parallel_group()
@@ -278,7 +319,7 @@ class GRPOSchedule:
     @torch.no_grad()
     def sample(self, iteration: int, prompts: List[str], samples: range, cond: dict, window=None):
         x0, step_noise = self.noise(iteration, samples, self.policy[0].flux_config.in_channels)
-        velocity = make_velocity_fn(self.policy, cond, self.s.micro_batch_size)
+        velocity = make_velocity_fn(self.sampling_policy, cond, self.s.micro_batch_size)
         return rollout(velocity, x0, self.sigmas, self.sampler, sde_window=window, noise=step_noise,
                        ode_reuse=self.s.ode_reuse, shared_prefix=self.shared_prefix(samples, cond, window))
 
@@ -291,7 +332,7 @@ class GRPOSchedule:
         def velocity_over(rows):
             rows_cond = {k: v[rows.to(v.device)] if k in PER_SAMPLE_CONDITIONING and v is not None else v
                          for k, v in cond.items()}
-            return make_velocity_fn(self.policy, rows_cond, math.gcd(len(rows), self.s.micro_batch_size))
+            return make_velocity_fn(self.sampling_policy, rows_cond, math.gcd(len(rows), self.s.micro_batch_size))
 
         return SharedPrefix.of_groups(self.group_ids(samples), velocity_over)
 
@@ -318,10 +359,17 @@ class GRPOSchedule:
     def attach_reference(self, micro_batches):
         """The reference policy's velocity on each row, for the objective's KL term (forward-only)."""
         for mb in micro_batches:
-            cond = {k: mb[k] for k in (*PER_SAMPLE_CONDITIONING, "txt_ids", "img_ids")}
-            v_ref = make_velocity_fn(self.ref_policy, cond, self.s.micro_batch_size)(mb["hidden_states"],
-                                                                                       mb["timestep"])
-            self.objective.attach_reference(mb, v_ref)
+            self.objective.attach_reference(mb, self._velocity(self.ref_policy, mb))
+
+    @torch.no_grad()
+    def attach_old(self, micro_batches):
+        """The sampling policy's velocity on each row, before any update of this rollout (forward-only)."""
+        for mb in micro_batches:
+            self.objective.attach_old(mb, self._velocity(self.sampling_policy, mb))
+
+    def _velocity(self, chunks, mb):
+        cond = {k: mb[k] for k in (*PER_SAMPLE_CONDITIONING, "txt_ids", "img_ids")}
+        return make_velocity_fn(chunks, cond, self.s.micro_batch_size)(mb["hidden_states"], mb["timestep"])
 
     def prepare(self, iteration: int, prompts: List[str]):
         """Rollout, reward and advantages: (micro-batches of each optimizer update, stats).
@@ -351,11 +399,17 @@ class GRPOSchedule:
         stats.update({"adv/mean": self._dp_mean(adv.mean()), "adv/abs_max": self._dp_max(adv.abs().max())})
         steps = draw_trained_steps(self.s, iteration, samples, window)
         drawn = self.objective.draw(iteration, samples, steps.shape[1], traj)
-        parts = torch.arange(len(samples)).chunk(self.s.updates_per_rollout)
-        updates = [self.micro_batches(traj, cond, adv, steps, part.tolist(), drawn) for part in parts]
+        # Update u trains the global samples s with s % U == u: the same samples under every
+        # data-parallel layout (a rank's share of each update is the part of its slice that is there).
+        u_count = self.s.updates_per_rollout
+        parts = [[i for i, s in enumerate(samples) if s % u_count == u] for u in range(u_count)]
+        updates = [self.micro_batches(traj, cond, adv, steps, part, drawn) for part in parts]
         if self.ref_policy is not None and self.s.kl_beta > 0:  # frozen: its velocities do not change
             for micro_batches in updates:
                 self.attach_reference(micro_batches)
+        if self.objective.needs_old:  # before the first update: the policy that sampled
+            for micro_batches in updates:
+                self.attach_old(micro_batches)
         stats.update(time_rollout=t1 - t0, time_reward=time.time() - t1)
         return updates, stats
 

@@ -75,6 +75,11 @@ def _add_grpo_args(p):
     g.add_argument("--height", type=int, default=None, help="image height (model.json default)")
     g.add_argument("--width", type=int, default=None)
     g.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per evaluation")
+    g.add_argument("--ema-decay", type=float, default=0.0,
+                   help="keep an EMA of the policy with at most this decay (0: none): it is nft's old policy "
+                        "(it samples the rollouts) and the policy the held-out evaluation scores; checkpointed")
+    g.add_argument("--ema-decay-ramp", type=float, default=0.001,
+                   help="the EMA's decay after iteration i is min(ramp * i, --ema-decay) (DiffusionNFT's schedule)")
 
 
 def build_parser(add_args=_add_grpo_args):

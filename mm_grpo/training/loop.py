@@ -77,6 +77,10 @@ class TrainingRun:
     def step(self, iteration: int) -> Dict:
         raise NotImplementedError
 
+    def evaluated_policy(self):
+        """The model chunks the held-out evaluation scores (the policy, or its EMA)."""
+        return self.model.modules
+
     def checkpoint_extras(self) -> Dict:
         """What a checkpoint holds besides the model, optimizer, scheduler, RNG and iteration."""
         return {}
@@ -137,7 +141,7 @@ class TrainingRun:
         """Held-out evaluation of the current policy, recorded in `evaluations` (iteration -> stats)
         and kept as `first_eval` / `last_eval` of this run. With a logger: its stats logged
         (`log_stats`) and / or its first 16 images saved as a grid."""
-        result = self.evaluator(self.model.modules)
+        result = self.evaluator(self.evaluated_policy())
         self.evaluations[iteration] = result.stats
         self.first_eval = self.first_eval or result
         self.last_eval = result

@@ -26,6 +26,7 @@ from mm_grpo.rewards.combined import CombinedReward
 from mm_grpo.settings import from_args
 from mm_grpo.training import components
 from mm_grpo.training.arguments import parse_args
+from mm_grpo.training.ema import PolicyEMA
 from mm_grpo.training.entry import run_entry, train_and_report
 from mm_grpo.training.evaluation import Evaluator
 from mm_grpo.training.logging_utils import is_logging_rank
@@ -84,13 +85,18 @@ class GRPORun(TrainingRun):
             ref_policy = load_pretrained(build_model_chunks(self.flux_config, self.model.pp_layers), self.model.initial)
             for chunk in ref_policy:
                 chunk.requires_grad_(False)
+        self.ema = None
+        if args.ema_decay:  # built from the starting weights; a resume loads the checkpoint's average
+            self.ema = PolicyEMA(self.model.modules, self.flux_config, self.model.pp_layers, args.ema_decay,
+                                 args.ema_decay_ramp)
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         text = components.block(self.model_cfg, "text_encoder", "--mm-model")
         self.schedule = GRPOSchedule(
             self.settings, self.model.modules,
             conditioner=components.conditioner(text, self.device, dtype),
             decoder=components.decoder(components.block(self.model_cfg, "ae", "--mm-model"), self.device, dtype),
-            reward=self.reward, ref_policy=ref_policy, device=self.device)
+            reward=self.reward, ref_policy=ref_policy, device=self.device,
+            old_policy=self.ema.modules if self.ema else None)
         self.evaluator = self._evaluator(height, width)
         self.train_rewards = []  # reward/mean per iteration from iteration 0, across resumes (the figures)
         if self.model.resume:
@@ -98,6 +104,11 @@ class GRPORun(TrainingRun):
             self.prompts.load_state_dict({"consumed": extra.get("consumed_prompts", 0)})
             past = list(extra.get("train_rewards", []))[:self.start_iteration]  # none in older checkpoints
             self.train_rewards = [math.nan] * (self.start_iteration - len(past)) + past
+            if self.ema is not None:
+                if "ema" not in extra:
+                    raise ValueError(f"--ema-decay: {args.load} holds no EMA of the policy (saved without "
+                                     "--ema-decay); the run could not continue exactly")
+                self.ema.load_state_dict(extra["ema"])
 
     def _evaluator(self, height, width):
         """Held-out prompts x `eval_samples_per_prompt` (data.json, default 1) from fixed noise
@@ -114,11 +125,20 @@ class GRPORun(TrainingRun):
         prompts = self.prompts.next_batch(self.settings.prompts_per_iteration)
         m = self.model
         stats = grpo_iteration(self.schedule, m.chunks, m.optimizer, m.scheduler, iteration, prompts)
+        if self.ema is not None:
+            self.ema.update(iteration)
+            stats["ema_decay"] = self.ema.eta(iteration)
         self.train_rewards.append(stats.get("reward/mean", math.nan))
         return stats
 
     def checkpoint_extras(self):
-        return {"consumed_prompts": self.prompts.consumed, "train_rewards": self.train_rewards}
+        extras = {"consumed_prompts": self.prompts.consumed, "train_rewards": self.train_rewards}
+        if self.ema is not None:  # this rank's chunks: each TP x PP shard holds its own
+            extras["ema"] = self.ema.state_dict()
+        return extras
+
+    def evaluated_policy(self):
+        return self.ema.modules if self.ema is not None else self.model.modules
 
     def finish(self):
         if self.first_eval is not None and is_logging_rank() and self.run_dir:

@@ -1,5 +1,6 @@
 """Two GRPO iterations under TP2, SP2, PP2 and DP2 (world size 2) on the tiny pipeline, with the
-PPO loss, with advantage-weighted matching (ode rollout) and with Flow-GRPO-Fast branching.
+PPO loss, with advantage-weighted matching (ode rollout), with Flow-GRPO-Fast branching, with
+DiffusionNFT (ode rollout by an EMA old policy) and with PPO + GRPO-Guard's RatioNorm.
 
 Each layout writes its losses, rewards and final weights (diffusers names) to
 $MM_GRPO_TEST_OUT; tests/distributed/test_grpo_distributed.py compares them with a
@@ -21,8 +22,12 @@ BRANCH = ["--timestep-selection", "branch", "--init-same-noise", "--window-size"
 # LoRA on every kind of target linear (adaLN too), the KL term's reference = adapters off.
 LORA = ["--lora-target-modules", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_in", "linear_out",
         "adaln", "--lora-r", "4", "--kl-beta", "0.05"]
-VARIANTS = {"ppo": [], "awm": AWM, "branch": BRANCH, "lora": LORA}
 LORA_LAYOUTS = {"tp2pp2": LAYOUTS["tp2"] + LAYOUTS["pp2"], "dp2": ["--use-distributed-optimizer"]}
+# The EMA's decay is 0.5 from the second iteration on: its rollout comes from an average that
+# differs from the trained policy. RatioNorm with two updates: the second one's ratio moves.
+NFT = ["--policy-loss", "nft", "--sampler", "ode", "--ema-decay", "0.5", "--ema-decay-ramp", "0.5"]
+RATIO_NORM = ["--ratio-norm", "--updates-per-rollout", "2", "--clip-range", "0.2"]
+VARIANTS = {"ppo": [], "awm": AWM, "branch": BRANCH, "nft": NFT, "rnorm": RATIO_NORM, "lora": LORA}
 # Group advantages gathered over 2 ranks: unequal row counts, groups spanning both ranks.
 ADVANTAGE_REWARDS = [0.3, 0.9, 0.1, 0.4, 0.8, 0.2, 0.7, 0.6]
 ADVANTAGE_PROMPTS = ["p0", "p1", "p0", "p1", "p0", "p1", "p0", "p1"]
@@ -63,6 +68,8 @@ def _run_layout(name):
     history, run = run_grpo(grpo_argv(model_json, data_json, iters=2,
                                       extra=_layout_argv(name) + ["--save", os.path.join(out, f"ckpt_{name}")]))
     weights = gather_hf_state_dict(run.model.chunks)
+    if run.ema is not None:  # the old policy (nft's sampler) is gathered like the policy
+        weights.update({"ema." + n: w for n, w in gather_hf_state_dict(run.ema.modules).items()})
     adapters = gather_adapter_state(run.model.chunks) if run.model.lora else None
     if dist.get_rank() == 0:
         torch.save({"history": history, "weights": weights, "adapters": adapters}, os.path.join(out, f"grpo_{name}.pt"))
@@ -127,6 +134,46 @@ def grpo_branch_pp2():
 @check(2)
 def grpo_branch_dp2():
     return _run_layout("branch_dp2")
+
+
+@check(2)
+def grpo_nft_tp2():
+    return _run_layout("nft_tp2")
+
+
+@check(2)
+def grpo_nft_sp2():
+    return _run_layout("nft_sp2")
+
+
+@check(2)
+def grpo_nft_pp2():
+    return _run_layout("nft_pp2")
+
+
+@check(2)
+def grpo_nft_dp2():
+    return _run_layout("nft_dp2")
+
+
+@check(2)
+def grpo_rnorm_tp2():
+    return _run_layout("rnorm_tp2")
+
+
+@check(2)
+def grpo_rnorm_sp2():
+    return _run_layout("rnorm_sp2")
+
+
+@check(2)
+def grpo_rnorm_pp2():
+    return _run_layout("rnorm_pp2")
+
+
+@check(2)
+def grpo_rnorm_dp2():
+    return _run_layout("rnorm_dp2")
 
 
 @check(2)

@@ -1,0 +1,50 @@
+"""An exponential moving average of the policy (--ema-decay): DiffusionNFT's old policy, which
+samples its rollouts, and the weights the held-out evaluation scores.
+
+After iteration i (0-based), every parameter theta_old <- eta_i theta_old + (1 - eta_i) theta with
+eta_i = min(--ema-decay-ramp * i, --ema-decay): DiffusionNFT's soft update of the sampling policy
+(Zheng et al. 2025, arXiv 2509.16117; its schedule rises by 0.001 per step up to 0.5), so early
+iterations follow the trained policy closely and later ones move more slowly. Each rank keeps the
+average of its own model chunks (its TP / PP shard); it is saved in that rank's checkpoint shard.
+"""
+from typing import List
+
+import torch
+
+from mm_grpo.parallel.pipeline import build_model_chunks
+
+
+class PolicyEMA:
+    def __init__(self, policy: List[torch.nn.Module], flux_config, pp_layers, decay: float, ramp: float):
+        if not 0 < decay < 1 or not ramp > 0:
+            raise ValueError(f"need 0 < --ema-decay < 1 and --ema-decay-ramp > 0, got {decay} and {ramp}")
+        self.policy, self.decay, self.ramp = list(policy), decay, ramp
+        self.modules = build_model_chunks(flux_config, pp_layers)
+        for chunk, source in zip(self.modules, self.policy):
+            chunk.load_state_dict(source.state_dict())
+            chunk.requires_grad_(False)
+
+    def eta(self, iteration: int) -> float:
+        """The weight of the old average after iteration `iteration` (0-based)."""
+        return min(self.ramp * iteration, self.decay)
+
+    @torch.no_grad()
+    def update(self, iteration: int):
+        eta = self.eta(iteration)
+        for chunk, source in zip(self.modules, self.policy):
+            for avg, p in zip(chunk.parameters(), source.parameters()):
+                avg.mul_(eta).add_(p.detach().to(avg.dtype), alpha=1 - eta)
+
+    def state_dict(self) -> list:
+        return [chunk.state_dict() for chunk in self.modules]
+
+    def load_state_dict(self, state: list):
+        if len(state) != len(self.modules):
+            raise ValueError(f"the checkpoint's EMA has {len(state)} model chunks, this layout {len(self.modules)}: "
+                             "the EMA resumes only on the layout it was saved with")
+        try:
+            for chunk, s in zip(self.modules, state):
+                chunk.load_state_dict(s)
+        except RuntimeError as e:
+            raise ValueError("the checkpoint's EMA does not fit this rank's model chunks (saved with another "
+                             f"TP / PP layout): {str(e).splitlines()[0]}") from None
