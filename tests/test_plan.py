@@ -128,7 +128,9 @@ def test_python_dash_m_runs():
     import sys
     out = subprocess.run([sys.executable, "-m", "mm_grpo.plan", "--model", "flux-schnell", "--devices", "2",
                           "--device", "h100", "--json"], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                             [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              os.environ.get("PYTHONPATH", "")])))
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)
     assert {(r["tp"], r["pp"], r["sp"], r["dp"]) for r in rows} == {(1, 1, 1, 2), (2, 1, 1, 1), (1, 2, 1, 1),
