@@ -92,3 +92,27 @@ def test_lora_configuration_errors(parallel_1proc, configs, tmp_path):
                           "was trained with LoRA")
     assert_one_line_error(lambda: run_grpo(grpo_argv(*configs, iters=2, extra=["--load", ckpt])),
                           "LoRA checkpoint")
+
+
+def test_nft_with_lora_averages_the_adapters_and_shares_the_base(parallel_1proc, configs, tmp_path):
+    """DiffusionNFT's old policy (the EMA) of a LoRA run: its own adapters, the policy's base tensors
+    (no second copy), adapter-only in the checkpoint, and an exact resume."""
+    extra = LORA + ["--policy-loss", "nft", "--sampler", "ode", "--ema-decay", "0.5", "--ema-decay-ramp", "0.5"]
+    full, run_full = run_grpo(grpo_argv(*configs, iters=3, extra=extra))
+    policy = dict(run_full.model.modules[0].named_parameters())
+    ema = dict(run_full.ema.modules[0].named_parameters())
+    assert set(ema) == set(policy)
+    for name, p in policy.items():
+        if ".lora_" in name:
+            assert ema[name].data_ptr() != p.data_ptr()
+        else:
+            assert ema[name].data_ptr() == p.data_ptr()  # shared, not copied
+    assert any(not torch.equal(ema[n], policy[n]) for n in _adapter_names(run_full) if ".lora_B." in n)
+    ckpt = str(tmp_path / "ckpt")
+    first, _ = run_grpo(grpo_argv(*configs, iters=2, extra=extra + ["--save", ckpt]))
+    shard = torch.load(os.path.join(ckpt, "iter_0000002", "mp_rank_00", "model_optim_rng.pt"), weights_only=False)
+    assert all(set(s) == set(shard["model"]) for s in shard["ema"])  # adapters only, like the policy
+    second, resumed = run_grpo(grpo_argv(*configs, iters=3, extra=extra + ["--load", ckpt]))
+    assert [h["reward/mean"] for h in first + second] == [h["reward/mean"] for h in full]
+    for n, p in resumed.ema.modules[0].named_parameters():
+        assert torch.equal(p, ema[n]), n

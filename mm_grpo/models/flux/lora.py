@@ -18,6 +18,7 @@ B starts at zero (the base model's output, bit for bit); A is drawn per weight f
 `TARGETS` maps the --lora-target-modules names to the diffusers modules they adapt (docs/lora.md).
 """
 import contextlib
+import copy
 import dataclasses
 import inspect
 import zlib
@@ -246,6 +247,19 @@ def freeze_base_in_bf16(chunk):
     for name, p in chunk.named_parameters():
         if not p.requires_grad and p.dim() >= 2 and not any(k in name for k in ADAPTER_KEYS):
             p.data = p.data.to(torch.bfloat16)
+
+
+def mirror_adapters(source, target):
+    """Adapters on `target` (a chunk built like `source`) where `source` has them, with their own
+    weights (a copy) and their own on/off switch: an EMA of a LoRA policy averages its adapters."""
+    for name, module in source.named_modules():
+        adapter = module.__dict__.get("adapter")
+        if adapter is None:
+            continue
+        layer = target.get_submodule(name)
+        layer.lora_A = copy.deepcopy(module.lora_A)
+        layer.lora_B = copy.deepcopy(module.lora_B)
+        layer.adapter = copy.copy(adapter)
 
 
 def adapter_state_dict(chunk) -> dict:
