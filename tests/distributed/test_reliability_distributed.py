@@ -63,7 +63,7 @@ def test_killing_the_launcher_group_stops_every_worker(tiny_pipeline_dir, tmp_pa
             assert launcher.poll() is None and time.time() < deadline, (tmp_path / "torchrun.log").read_text()[-3000:]
             time.sleep(0.5)
         workers = _children(launcher.pid)
-        assert len(workers) == 2
+        assert len(workers) >= 2  # the two ranks (torch 2.7's launcher may hold a helper process too)
         os.killpg(launcher.pid, signal.SIGKILL)  # what a scheduler or the OOM killer does to the job
         launcher.wait()
         time.sleep(3)
@@ -88,11 +88,11 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path):
     with open(log_path, "w") as log:
         launcher = _torchrun(["-m", "tests.distributed.hang_worker", "1"], log)
     try:
-        rc = launcher.wait(timeout=240)
+        rc = launcher.wait(timeout=600)  # start-up included: slow on a loaded machine
     except subprocess.TimeoutExpired:
         os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait()
-        pytest.fail("the job still ran 4 minutes after its start")
+        pytest.fail("the job still ran 10 minutes after its start")
     ended = time.time()
     text = log_path.read_text()
     stopped = float(re.search(r"rank 1 stops at ([\d.]+)", text)[1])
