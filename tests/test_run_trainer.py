@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 from tests.test_launch_env import REPO
-from tests.testbed import has_megatron_training, subprocess_env
 
 
 def _pythonpath():
@@ -29,8 +28,6 @@ def test_grpo_flux_sh_exits_with_the_trainers_status_and_line(tmp_path):
     env = dict(os.environ, PYTHONPATH=_pythonpath(), MM_GRPO_PYTHON=sys.executable, MM_GRPO_DEVICE="cpu",
                MM_GRPO_ASCEND=str(tmp_path / "no_ascend"), RUN_DIR=str(run_dir), NPUS_PER_NODE="1", ITERS="1",
                PROMPT_FILE=str(prompts), MASTER_PORT=str(_free_port()), PYTHONWARNINGS="ignore")
-    if has_megatron_training():
-        env = subprocess_env(env)
     proc = subprocess.run(["bash", "examples/flux/grpo_flux.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     line = f"mm-grpo: error: prompt file {prompts} is not UTF-8 text (byte 9: b'\\xe9'); convert it, e.g. iconv -t UTF-8"
