@@ -14,9 +14,10 @@ What the trainer holds (mm_grpo/training/optim.py, trainable.py, grpo/schedule.p
 - Adam's two moments in fp32 (+ fp32 master weights for bf16 parameters), sharded over the
   data-parallel x context-parallel group by the distributed optimizer;
 - the KL reference (`--kl-beta > 0`): a second, frozen copy of the policy's chunks;
-- LoRA (rank r, adapters on the parallel linears, base frozen: no main gradients or optimizer
-  states for it; the KL reference is the base with adapters off, no copy). Predicted only: LoRA
-  is not in the trainer yet, so these figures are checked once it is.
+- LoRA (models/flux/lora.py; rank r on the attention and MLP linears of every block, the
+  recommended --lora-target-modules; base frozen: no main gradients or optimizer states for it;
+  the KL reference is the base with adapters off, no copy; with --bf16 the frozen base's matrices
+  in bf16). Frozen weights also change what autograd saves (`block_activation_values`).
 """
 import dataclasses
 from typing import Dict, List
@@ -103,13 +104,15 @@ def _linear(fan_in, fan_out, shard, tp, lora_rank=0):
 
 
 def block_params(config: FluxConfig, tp: int, lora_rank: int = 0):
-    """(double block, single block) parameters on one TP rank, and their LoRA adapters."""
+    """(double block, single block) parameters on one TP rank, and their LoRA adapters: on
+    linear_qkv, linear_proj, linear_fc1, linear_fc2 (each stream), linear_in, linear_out, not on
+    the modulation linears (`adaln`, not among lora.RECOMMENDED_TARGETS)."""
     D, F, d = config.hidden_size, config.mlp_hidden_size, config.attention_head_dim
-    stream = [_linear(D, 6 * D, "column", tp, lora_rank), _linear(D, 3 * D, "column", tp, lora_rank),
+    stream = [_linear(D, 6 * D, "column", tp), _linear(D, 3 * D, "column", tp, lora_rank),
               _linear(D, D, "row", tp, lora_rank), _linear(D, F, "column", tp, lora_rank),
               _linear(F, D, "row", tp, lora_rank)]
     double = [sum(x[i] for x in stream) * 2 + (2 * 2 * d if i == 0 else 0) for i in (0, 1)]
-    single_parts = [_linear(D, 3 * D, "column", tp, lora_rank), _linear(D, 3 * D + F, "column", tp, lora_rank),
+    single_parts = [_linear(D, 3 * D, "column", tp), _linear(D, 3 * D + F, "column", tp, lora_rank),
                     _linear(D + F, D, "row", tp, lora_rank)]
     single = [sum(x[i] for x in single_parts) + (2 * d if i == 0 else 0) for i in (0, 1)]
     return tuple(double), tuple(single)
@@ -152,8 +155,12 @@ def total_params(config: FluxConfig) -> int:
 
 # --- memory terms ---------------------------------------------------------------------------
 def weights_bytes(base, lora, job):
-    """Policy weights: base in the parameter dtype; LoRA adapters in fp32."""
-    return base * dtype_bytes(job.param_dtype) + lora * 4
+    """Policy weights: base in the parameter dtype; LoRA adapters in fp32. With LoRA and bf16
+    compute the trainer keeps the frozen base's matrices in bf16 (training/trainable.py
+    `freeze_base_in_bf16`: autocast casts them anyway); its biases and norms stay fp32, less
+    than 1 / D of the base, counted at 2 bytes here."""
+    base_dtype = "bf16" if job.lora_rank and job.bf16 else job.param_dtype
+    return base * dtype_bytes(base_dtype) + lora * 4
 
 
 def trainable_params(base, lora, job):
@@ -181,7 +188,7 @@ def kl_reference_bytes(base, job):
     return base * dtype_bytes(job.param_dtype) if job.kl_reference and not job.lora_rank else 0
 
 
-def block_activation_values(config: FluxConfig, tp: int):
+def block_activation_values(config: FluxConfig, tp: int, lora_rank: int = 0):
     """Values per token saved for backward by one (double, single) block, its input included,
     counted from models/flux/blocks.py with torch's kernels (kernels.py) and a fused attention
     (no S x S scores; its output is laid out so that the flatten to [S, B, H*d] is a view).
@@ -197,8 +204,20 @@ def block_activation_values(config: FluxConfig, tp: int):
     Checked against the tensors autograd saves (bench/bench_parallel_memory.py's meter: 25.3D and
     20.2D per token at D = 256, the rest being norm statistics). Megatron's per-layer count for
     GPT (sbh(10 + 24/t + 5as/(ht)), Korthikanti et al. table 2, without sequence parallelism) has
-    the same replicated / split structure."""
-    D, F = config.hidden_size, config.mlp_hidden_size
+    the same replicated / split structure.
+
+    With LoRA (`lora_rank` > 0) the base is frozen and autograd saves only what the gradient of
+    an activation or an adapter needs: not the layer-norm outputs (inputs of `modulate`, whose
+    scale comes from the frozen time embedding), nor the attention / MLP outputs multiplied by the
+    frozen gates, nor the QK-norm's x*rsqrt (for its frozen weight); the inputs of the adapted
+    linears stay (the adapters' A needs them), and each adapter adds its r-wide A x (for B):
+      double 4D + 4r + (7D + 2F) / TP (input, mod1, residual, mod2; qkv, v, RoPE q/k, attention,
+        fc1, GELU; A x of qkv, proj, fc1, fc2), single 2D + 2r + (6D + 2F) / TP.
+    Checked against the tensors autograd saves (the same meter on one block with adapters of
+    r = 8: 19.3D and 16.2D per token at D = 256)."""
+    D, F, r = config.hidden_size, config.mlp_hidden_size, lora_rank
+    if lora_rank:
+        return 4 * D + 4 * r + (7 * D + 2 * F) / tp, 2 * D + 2 * r + (6 * D + 2 * F) / tp
     double = 8 * D + (9 * D + 2 * F) / tp
     single = 4 * D + (8 * D + 2 * F) / tp
     return double, single
@@ -207,9 +226,10 @@ def block_activation_values(config: FluxConfig, tp: int):
 def final_layer_values(config: FluxConfig, job: Job) -> float:
     """The last stage's head (models/flux/model.py FinalLayer), values per micro-batch sample: its
     input (the last block's output, all S tokens' storage) and the image tokens' layer-norm and
-    modulation outputs (replicated)."""
+    modulation outputs (replicated); with LoRA only the input (the head's linears are frozen and
+    not adapted, so neither output is needed for a gradient)."""
     S, I = job.text_tokens + job.image_tokens, job.image_tokens
-    return (S + 2 * I) * config.hidden_size
+    return (S + (0 if job.lora_rank else 2 * I)) * config.hidden_size
 
 
 def _stage_blocks(config, layout, stage):
@@ -224,7 +244,7 @@ def activation_bytes_per_microbatch(config, job, layout, stage):
     count); with recompute only each block's input (D per token)."""
     tokens = (job.text_tokens + job.image_tokens) * job.micro_batch_size / layout.sp
     n_double, n_single = _stage_blocks(config, layout, stage)
-    double, single = block_activation_values(config, layout.tp)
+    double, single = block_activation_values(config, layout.tp, job.lora_rank)
     if job.recompute:
         values = (n_double + n_single) * config.hidden_size
     else:
@@ -240,7 +260,7 @@ def recompute_bytes(config, job, layout, stage):
         return 0
     tokens = (job.text_tokens + job.image_tokens) * job.micro_batch_size / layout.sp
     n_double, n_single = _stage_blocks(config, layout, stage)
-    double, single = block_activation_values(config, layout.tp)
+    double, single = block_activation_values(config, layout.tp, job.lora_rank)
     largest = max(double if n_double else 0, single if n_single else 0)
     return tokens * (largest - config.hidden_size) * (2 if job.bf16 else 4)
 
