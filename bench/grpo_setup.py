@@ -119,9 +119,10 @@ def optimizer_args(lr: float, iterations: int = 10_000):
                               lr_decay_iters=None, lr_warmup_iters=0, lr_decay_style="constant")
 
 
-def build_mm_grpo(preset: Preset, paths: dict, device, schedule_cls=None, **setting_overrides):
+def build_mm_grpo(preset: Preset, paths: dict, device, schedule_cls=None, lora_config=None, **setting_overrides):
     """mm-grpo's GRPO schedule for one process, built as the trainer builds it, and its iteration
-    `step(iteration, prompts) -> stats` (the trainer's `grpo_iteration`)."""
+    `step(iteration, prompts) -> stats` (the trainer's `grpo_iteration`). `lora_config`: a
+    `lora.LoRAConfig` trains adapters on the frozen base instead of the whole model."""
     import functools
     from mm_grpo.grpo.schedule import GRPOSchedule
     from mm_grpo.models.flux import FluxConfig
@@ -135,6 +136,10 @@ def build_mm_grpo(preset: Preset, paths: dict, device, schedule_cls=None, **sett
                                              compile_blocks=preset.compile)
     chunks = [chunk.to(device) for chunk in build_model_chunks(config)]
     load_pretrained(chunks, paths["transformer"])
+    if lora_config is not None:
+        from mm_grpo.models.flux import lora
+        for chunk in chunks:
+            lora.add_adapters(chunk, lora_config, setting_overrides.get("seed", 1234))
     policy = wrap_ddp(chunks)
     optimizer = build_optimizer(policy, optimizer_args(preset.lr))
     conditioner, decoder, reward = components(preset, paths, device)

@@ -1,5 +1,6 @@
 """Time to reward: DanceGRPO-style full mode against MixGRPO's sliding window, Flow-GRPO-Fast's
-branching, advantage-weighted matching, DiffusionNFT and PPO with GRPO-Guard's RatioNorm.
+branching, advantage-weighted matching, DiffusionNFT and PPO with GRPO-Guard's RatioNorm,
+and LoRA (`-lora` modes: adapters on the frozen base) against full fine-tuning.
 
     python -m bench.time_to_reward [--preset tiny --iters 40 --window-iters 60 --seeds 1 2 3
                                     --eval-every 4 --lr 3e-3 --window-size 2
@@ -29,6 +30,7 @@ import torch
 
 from bench.grpo_setup import PRESETS, PROMPTS, build_mm_grpo, default_workdir, iteration_prompts, prepare
 from mm_grpo.grpo.schedule import draw_noise
+from mm_grpo.models.flux.lora import LoRAConfig
 
 MODES = {
     "full": dict(timestep_selection="random"),
@@ -44,6 +46,14 @@ MODES = {
     "ppo+rationorm-x4": dict(ratio_norm=True, updates_per_rollout=4, micro_batch_size=4),
     "awm-x4": dict(policy_loss="awm", sampler="ode", init_same_noise=False, updates_per_rollout=4, micro_batch_size=4),
     "nft-x4": dict(policy_loss="nft", sampler="ode", init_same_noise=False, updates_per_rollout=4, micro_batch_size=4),
+    # LoRA (r = 8, alpha = 16, attention and MLP linears: docs/lora.md) on the frozen base, the same
+    # schedule and learning rate as "full"
+    "full-lora": dict(lora_config=LoRAConfig()),
+    "awm-lora": dict(policy_loss="awm", sampler="ode", init_same_noise=False, lora_config=LoRAConfig()),
+    # ... and with 10x the learning rate (LoRA's usual setting: its B starts at zero)
+    "full-lora-lr10": dict(lora_config=LoRAConfig(), lr_scale=10.0),
+    "awm-lora-lr10": dict(policy_loss="awm", sampler="ode", init_same_noise=False, lora_config=LoRAConfig(),
+                          lr_scale=10.0),
 }
 
 
@@ -65,8 +75,10 @@ def evaluate(schedule, samples_per_prompt=2):
 
 
 def run(preset, paths, mode, seed, iters, eval_every, window_size=2):
+    overrides = {"init_same_noise": True, **MODES[mode]}
+    preset = dataclasses.replace(preset, lr=preset.lr * overrides.pop("lr_scale", 1.0))
     schedule, step = build_mm_grpo(preset, paths, torch.device("cpu"), seed=seed, window_size=window_size,
-                                   **{"init_same_noise": True, **MODES[mode]})
+                                   **overrides)
     curve = [dict(iteration=0, wall=0.0, eval=evaluate(schedule))]
     wall = 0.0
     for it in range(iters):
@@ -177,7 +189,8 @@ def main(argv=None):
         plot(results, means, target, args.png)
     if args.json:
         with open(args.json + ".tmp", "w") as f:
-            json.dump(dict(summary=summary, modes={m: MODES[m] for m in modes}, curves=results, means=means), f, indent=1)
+            json.dump(dict(summary=summary, modes={m: MODES[m] for m in modes}, curves=results, means=means), f, indent=1,
+                      default=lambda o: o.to_json())  # a mode's LoRAConfig
         os.replace(args.json + ".tmp", args.json)
 
 
