@@ -87,23 +87,9 @@ def initialize_parallel(parallel: ParallelConfig = ParallelConfig(), seed: int =
 _RANKS_LEFT_BY_DESTROY = ("_EMBEDDING_GLOBAL_RANKS", "_POSITION_EMBEDDING_GLOBAL_RANKS")
 
 
-def _destroy_subgroups():
-    """Free every process group but the world's. megatron-core's destroy_model_parallel forgets its
-    groups without destroying them; each gloo group keeps two threads and a socket per peer, so a
-    process that changes layouts many times (the tests, the benches) piles them up until new
-    groups fail to connect."""
-    if not dist.is_initialized():
-        return
-    world = dist.group.WORLD
-    for group in list(dist.distributed_c10d._world.pg_map):  # every group this rank is in
-        if group is not world:
-            dist.destroy_process_group(group)
-
-
 def destroy_parallel():
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-        _destroy_subgroups()
     for name in _RANKS_LEFT_BY_DESTROY:
         if hasattr(parallel_state, name):
             setattr(parallel_state, name, None)
