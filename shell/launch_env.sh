@@ -31,7 +31,8 @@ case "${MM_GRPO_DEVICE:-}" in cpu|cuda) ;; *)
 esac
 
 if [ -n "${MM_GRPO_PYTHON:-}" ]; then PY="$MM_GRPO_PYTHON"
-elif python3 -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('mm_grpo') is None)" 2>/dev/null; then PY=python3
+# (probed from / : started in the repository, python3 would find mm_grpo in the current folder)
+elif (cd / && python3 -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('mm_grpo') and u.find_spec('torch')))") 2>/dev/null; then PY=python3
 else bash "$REPO/shell/setup_env.sh"; PY="${MM_GRPO_VENV:-$REPO/.venv}/bin/python"; fi
 export MM_GRPO_PYTHON="$PY"
 # Paths the user gave are relative to where the script was started: make them absolute
