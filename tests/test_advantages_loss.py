@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from mm_grpo.grpo import (NonFiniteRewardError, awm_loss, group_advantages, grpo_loss, nft_loss,
-                          optimality_probability)
+from mm_grpo.grpo import (NonFiniteRewardError, awm_loss, group_advantages, grpo_loss, guard_step_weight,
+                          nft_loss, optimality_probability)
 from tests.utils import assert_one_line_error
 
 
@@ -203,16 +203,56 @@ def test_ratio_norm_matches_the_published_formula_in_float64():
         grpo_loss(logp, old_logp, adv, old_mean=old_mean)
 
 
+def test_grpo_guard_loss_matches_the_published_formula_in_float64():
+    """GRPO-Guard in full, written as verl-omni documents it per step t (std = sigma_t sqrt(-dt)):
+    b = mean|mu - mu_old|^2 / (2 std^2), rho = exp((log p - log p_old + b) std),
+    L_t = 1/(-dt) max(-A rho, -A clip(rho, 1-c, 1+c)). mm-grpo's step weight is 1/(N |dt|): N times less."""
+    g = torch.Generator().manual_seed(1)
+    N, B, shape = 16, 6, (5, 4)
+    sigma = torch.tensor([1.0, 0.9, 0.6, 0.3, 0.12, 0.05])
+    sigma_next = torch.tensor([0.97, 0.85, 0.5, 0.25, 0.1, 0.0])
+    std = torch.tensor([0.05, 0.1, 0.3, 0.05, 0.2, 0.8])
+    old_mean = torch.randn(B, *shape, generator=g)
+    x = old_mean + std.view(-1, 1, 1) * torch.randn(B, *shape, generator=g)
+    mean = (old_mean + 0.02 * torch.randn(B, *shape, generator=g)).requires_grad_()
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    c = 0.01
+    logp = _gaussian_logp64(x, mean, std).float()
+    old_logp = _gaussian_logp64(x, old_mean, std).float()
+    weight = guard_step_weight(sigma, sigma_next, N)
+    loss, _ = grpo_loss(logp, old_logp, adv, clip_range=c, mean=mean, std=std.view(-1, 1, 1), old_mean=old_mean,
+                        step_weight=weight)
+    dt = sigma_next.double() - sigma.double()
+    s64 = std.double()
+    b = ((mean.detach().double() - old_mean.double()) ** 2).flatten(1).mean(1) / (2 * s64**2)
+    rho = ((_gaussian_logp64(x, mean.detach(), std) - _gaussian_logp64(x, old_mean, std) + b) * s64).exp()
+    a = adv.double()
+    published = (torch.maximum(-a * rho, -a * rho.clamp(1 - c, 1 + c)) / (-dt)).mean()
+    assert (N * loss).item() == pytest.approx(published.item(), rel=1e-4, abs=1e-7)
+    # a uniform schedule weighs every step 1: the loss is RatioNorm's alone
+    uniform = guard_step_weight(torch.full((B,), 0.5), torch.full((B,), 0.5 - 1 / N), N)
+    torch.testing.assert_close(uniform, torch.ones(B))
+    with pytest.raises(ValueError, match="sigma_next < sigma"):
+        guard_step_weight(sigma_next, sigma, N)
+    assert_one_line_error(lambda: grpo_loss(logp, old_logp, adv, step_weight=torch.ones(2)), "step_weight must be")
+
+
 def test_optimality_probability_is_the_clipped_normalised_reward():
     rewards = torch.tensor([0.0, 1.0, 2.0, 10.0, 4.0, 4.0, 4.0, 4.0])
     adv = group_advantages(rewards, [0, 0, 0, 0, 1, 1, 1, 1])
-    r = optimality_probability(adv)
     g = rewards[:4].double()
     z = (g - g.mean()) / g.std()
-    expected = 0.5 + 0.5 * z.clamp(-1, 1)
-    torch.testing.assert_close(r[:4].double(), expected, rtol=1e-6, atol=1e-6)
-    assert r[4:].tolist() == [0.5] * 4  # equal rewards: neither positive nor negative
-    assert r.min() >= 0 and r.max() <= 1
+    for scale in (1.0, 0.5, 5.0):
+        r = optimality_probability(adv, scale)
+        expected = 0.5 + 0.5 * (z / scale).clamp(-1, 1)
+        torch.testing.assert_close(r[:4].double(), expected, rtol=1e-6, atol=1e-6)
+        assert r[4:].tolist() == [0.5] * 4  # equal rewards: neither positive nor negative
+        assert r.min() >= 0 and r.max() <= 1
+    # a sparse binary reward (1 success in 8) at the advantage clip's scale: the group's pushes cancel
+    sparse = optimality_probability(group_advantages(torch.tensor([1.0] + [0.0] * 7), [0] * 8), 5.0)
+    assert (2 * sparse - 1).sum().abs().item() < 1e-5
+    with pytest.raises(ValueError, match="scale must be > 0"):
+        optimality_probability(adv, 0.0)
 
 
 def test_nft_loss_matches_the_published_formula_in_float64():

@@ -197,6 +197,19 @@ def test_ratio_norm_keeps_the_first_ratio_at_one_and_moves_later_ones(parallel_1
         _error(grpo_argv(*configs, extra=["--ratio-norm", "--policy-loss", "awm", "--sampler", "ode"]))
 
 
+def test_step_reweight_weighs_each_steps_ppo_term_by_one_over_its_dt(parallel_1proc, configs):
+    """GRPO-Guard's gradient reweighting changes the first update's loss (ratio 1: L = -mean(w A)) and
+    nothing of the rollout."""
+    argv = dict(iters=1, extra=["--ratio-norm"])
+    plain, _ = run_grpo(grpo_argv(*configs, **argv))
+    argv["extra"] = argv["extra"] + ["--step-reweight"]
+    weighted, _ = run_grpo(grpo_argv(*configs, **argv))
+    assert weighted[0]["reward/mean"] == plain[0]["reward/mean"]
+    assert weighted[0]["loss"] != pytest.approx(plain[0]["loss"], rel=1e-3)
+    with pytest.raises(ValueError, match="--step-reweight weighs PPO's per-step terms"):
+        _error(grpo_argv(*configs, extra=["--step-reweight", "--policy-loss", "nft", "--sampler", "ode"]))
+
+
 # --- bad input: clear errors before any work ------------------------------------------
 def _error(argv):
     from mm_grpo.training.arguments import parse_args

@@ -96,8 +96,13 @@ def group_advantages(
     return advantages[offset : offset + rewards.shape[0]].float()
 
 
-def optimality_probability(advantages: torch.Tensor) -> torch.Tensor:
+def optimality_probability(advantages: torch.Tensor, scale: float) -> torch.Tensor:
     """DiffusionNFT's optimality probability r = 1/2 + 1/2 clip((R - E[R]) / Z, -1, 1) (Zheng et al.
-    2025, arXiv 2509.16117) from group-normalised advantages A = (R - mean) / std: in [0, 1],
-    1/2 at the group's mean reward."""
-    return 0.5 + 0.5 * advantages.float().clamp(-1.0, 1.0)
+    2025, arXiv 2509.16117) from group-normalised advantages A = (R - mean) / std, with Z = std *
+    `scale` (the authors' code: `scale` = the advantage clip, 5): in [0, 1], 1/2 at the group's mean
+    reward. A scale the advantages rarely exceed keeps sum(2r - 1) = sum(A) / scale = 0 per group;
+    scale 1 would clip a sparse reward's lone success (A = 2.6 for 1 in 8) but not its failures
+    (A = -0.38), and the group would push the policy away from its own samples on balance."""
+    if not scale > 0:
+        raise ValueError(f"the optimality probability's scale must be > 0, got {scale}")
+    return 0.5 + 0.5 * (advantages.float() / scale).clamp(-1.0, 1.0)

@@ -19,8 +19,10 @@ def grpo_loss(
     ref_mean: Optional[torch.Tensor] = None,
     std: Optional[torch.Tensor] = None,
     old_mean: Optional[torch.Tensor] = None,
+    step_weight: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """L = mean(max(-A r, -A clip(r, 1-c, 1+c))) + beta * KL, r = exp(logp - logp_old).
+    """L = mean(w * max(-A r, -A clip(r, 1-c, 1+c))) + beta * KL, r = exp(logp - logp_old), w = 1
+    unless `step_weight` [B] is given.
 
     RatioNorm (GRPO-Guard, Wang et al. 2025, arXiv 2510.22319, Eq. 8), when the old policy's
     step mean `old_mean` is given: for a Gaussian step x' = mu_old + std eps, the log-ratio is
@@ -29,6 +31,8 @@ def grpo_loss(
     low-noise steps, so clipping acts unevenly. The normalised ratio removes that bias and scale,
     log r_hat = std * (log r + |d|^2 / (2 std^2)) = <eps, d>,
     zero-mean under the old policy with a spread that does not depend on the step's std.
+    GRPO-Guard's gradient reweighting passes each row's step weight, proportional to 1/|dt| of its
+    step (`guard_step_weight`), so that no noise level's steps dominate the update.
 
     KL to a reference policy (given mean, ref_mean and the step std from the sampler outputs):
     mean over non-batch dims of (mean - ref_mean)^2 / (2 std^2), then over the micro-batch.
@@ -52,7 +56,12 @@ def grpo_loss(
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
-    loss = torch.maximum(unclipped, clipped).mean()
+    policy_term = torch.maximum(unclipped, clipped)
+    if step_weight is not None:
+        if step_weight.shape != log_prob.shape:
+            raise ValueError(f"step_weight must be [B] like log_prob, got {tuple(step_weight.shape)}")
+        policy_term = step_weight.to(policy_term.dtype) * policy_term
+    loss = policy_term.mean()
 
     kl = torch.zeros((), device=log_prob.device)
     if ref_mean is not None:
@@ -75,6 +84,17 @@ def grpo_loss(
             "kl": kl.detach(),
         }
     return loss, stats
+
+
+def guard_step_weight(sigma: torch.Tensor, sigma_next: torch.Tensor, num_steps: int) -> torch.Tensor:
+    """GRPO-Guard's per-step gradient reweighting (Wang et al. 2025, arXiv 2510.22319): a step's PPO
+    term is scaled by 1/|dt| = 1/(sigma - sigma_next). Divided here by the number of steps N, so that
+    on a uniform schedule (|dt| = 1/N) every step weighs 1 and the loss keeps the scale of the
+    unweighted one (Adam ignores a constant factor; gradient clipping does not)."""
+    dt = sigma.double() - sigma_next.double()
+    if not (dt > 0).all():
+        raise ValueError("GRPO-Guard's step weight needs sigma_next < sigma on every row")
+    return (1.0 / (num_steps * dt)).float()
 
 
 def awm_loss(

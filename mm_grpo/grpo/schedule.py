@@ -26,7 +26,7 @@ from megatron.core import parallel_state
 
 from mm_grpo.flow import noisy_latents
 from mm_grpo.grpo.advantages import NonFiniteRewardError, group_advantages, optimality_probability
-from mm_grpo.grpo.loss import awm_loss, grpo_loss, nft_loss
+from mm_grpo.grpo.loss import awm_loss, grpo_loss, guard_step_weight, nft_loss
 from mm_grpo.grpo.timesteps import (SlidingWindow, branch_window, dance_grpo_timesteps, flow_grpo_timesteps,
                                     window_timesteps)
 from mm_grpo.parallel.pipeline import PER_SAMPLE_CONDITIONING, make_velocity_fn
@@ -75,9 +75,12 @@ class PPOObjective(Objective):
 
     def loss(self, v, mb):
         step = self.step(mb, v)
+        weight = None
+        if self.s.step_reweight:
+            weight = guard_step_weight(mb["timestep"], mb["sigma_next"], self.s.num_inference_steps)
         return grpo_loss(step.log_prob, mb["old_log_prob"], mb["advantages"], clip_range=self.s.clip_range,
                          kl_beta=self.s.kl_beta, mean=step.mean, ref_mean=mb.get("ref_mean"), std=step.std,
-                         old_mean=mb.get("old_mean"))
+                         old_mean=mb.get("old_mean"), step_weight=weight)
 
 
 class AWMObjective(Objective):
@@ -109,7 +112,7 @@ class NFTObjective(AWMObjective):
         mb["old_v"] = v_old
 
     def loss(self, v, mb):
-        return nft_loss(v, mb["old_v"], mb["x0"], mb["noise"], optimality_probability(mb["advantages"]),
+        return nft_loss(v, mb["old_v"], mb["x0"], mb["noise"], optimality_probability(mb["advantages"], self.s.adv_clip_max),
                         beta=self.s.nft_beta, kl_beta=self.s.kl_beta, ref_v=mb.get("ref_v"))
 
 
@@ -150,6 +153,8 @@ class GRPOSettings:
         choices=tuple(OBJECTIVES))
     ratio_norm: bool = setting(False, "ppo: GRPO-Guard's RatioNorm (the log-ratio's mean bias removed, scaled by "
                                       "the step std)")
+    step_reweight: bool = setting(False, "ppo: GRPO-Guard's gradient reweighting (each step's term scaled by "
+                                         "1/(N |dt|)); GRPO-Guard is --ratio-norm --step-reweight")
     nft_beta: float = setting(1.0, "nft: beta, the mixing coefficient of the implicit positive / negative policies")
     updates_per_rollout: int = setting(1, "optimizer steps per rollout (update u trains the samples s with "
                                           "s mod U == u)")
@@ -189,6 +194,8 @@ class GRPOSettings:
                              "shared ODE prefix")
         if self.ratio_norm and self.policy_loss != "ppo":
             raise ValueError("--ratio-norm normalises PPO's importance ratio: it needs --policy-loss ppo")
+        if self.step_reweight and self.policy_loss != "ppo":
+            raise ValueError("--step-reweight weighs PPO's per-step terms: it needs --policy-loss ppo")
         if not self.nft_beta > 0:
             raise ValueError(f"--nft-beta must be > 0, got {self.nft_beta}")
         if self.sampler == "ode" and self.policy_loss == "ppo":

@@ -24,10 +24,11 @@ LORA = ["--lora-target-modules", "linear_qkv", "linear_proj", "linear_fc1", "lin
         "adaln", "--lora-r", "4", "--kl-beta", "0.05"]
 LORA_LAYOUTS = {"tp2pp2": LAYOUTS["tp2"] + LAYOUTS["pp2"], "dp2": ["--use-distributed-optimizer"]}
 # The EMA's decay is 0.5 from the second iteration on: its rollout comes from an average that
-# differs from the trained policy. RatioNorm with two updates: the second one's ratio moves.
+# differs from the trained policy. GRPO-Guard (RatioNorm and the 1/|dt| step weights) with two
+# updates: the second one's ratio moves.
 NFT = ["--policy-loss", "nft", "--sampler", "ode", "--ema-decay", "0.5", "--ema-decay-ramp", "0.5"]
-RATIO_NORM = ["--ratio-norm", "--updates-per-rollout", "2", "--clip-range", "0.2"]
-VARIANTS = {"ppo": [], "awm": AWM, "branch": BRANCH, "nft": NFT, "rnorm": RATIO_NORM, "lora": LORA}
+GUARD = ["--ratio-norm", "--step-reweight", "--updates-per-rollout", "2", "--clip-range", "0.2"]
+VARIANTS = {"ppo": [], "awm": AWM, "branch": BRANCH, "nft": NFT, "guard": GUARD, "lora": LORA}
 # Group advantages gathered over 2 ranks: unequal row counts, groups spanning both ranks.
 ADVANTAGE_REWARDS = [0.3, 0.9, 0.1, 0.4, 0.8, 0.2, 0.7, 0.6]
 ADVANTAGE_PROMPTS = ["p0", "p1", "p0", "p1", "p0", "p1", "p0", "p1"]
@@ -157,23 +158,23 @@ def grpo_nft_dp2():
 
 
 @check(2)
-def grpo_rnorm_tp2():
-    return _run_layout("rnorm_tp2")
+def grpo_guard_tp2():
+    return _run_layout("guard_tp2")
 
 
 @check(2)
-def grpo_rnorm_sp2():
-    return _run_layout("rnorm_sp2")
+def grpo_guard_sp2():
+    return _run_layout("guard_sp2")
 
 
 @check(2)
-def grpo_rnorm_pp2():
-    return _run_layout("rnorm_pp2")
+def grpo_guard_pp2():
+    return _run_layout("guard_pp2")
 
 
 @check(2)
-def grpo_rnorm_dp2():
-    return _run_layout("rnorm_dp2")
+def grpo_guard_dp2():
+    return _run_layout("guard_dp2")
 
 
 @check(2)

@@ -34,7 +34,7 @@ def single_process(parallel_1proc, tiny_pipeline_dir, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("layout", [f"{v}{layout}" for v in ("", "awm_", "branch_", "nft_", "rnorm_", "lora_")
+@pytest.mark.parametrize("layout", [f"{v}{layout}" for v in ("", "awm_", "branch_", "nft_", "guard_", "lora_")
                                     for layout in ("tp2", "sp2", "pp2", "dp2")] + ["lora_tp2pp2"])
 def test_two_grpo_iterations_match_single_process(torchrun, grpo_out_dir, single_process, layout):
     check_result(torchrun(4 if layout.endswith("tp2pp2") else 2), f"grpo_{layout}")
