@@ -69,19 +69,20 @@ def hf_grads_as_megatron(ref, config: FluxConfig):
             for r in layout.stage_rules(config)}
 
 
+def _gather_whole(local, rule, config):
+    """One rule's whole tensor from this rank's TP shard `local` (every TP rank gets it)."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    shards = [torch.empty_like(local) for _ in range(parallel_state.get_tensor_model_parallel_world_size())]
+    dist.all_gather(shards, local.contiguous(), group=group)
+    return layout.unshard(rule, shards, config)
+
+
 def gather_tp(model, attr="grad"):
     """Full Megatron tensors (param data or grad) gathered over the TP group, by name."""
-    group = parallel_state.get_tensor_model_parallel_group()
-    size = parallel_state.get_tensor_model_parallel_world_size()
     params = dict(model.named_parameters())
-    out = {}
-    for rule in layout.stage_rules(model.flux_config, model.block_range, model.pre_process,
-                                   model.post_process):
-        local = getattr(params[rule.megatron], attr).contiguous()
-        shards = [torch.empty_like(local) for _ in range(size)]
-        dist.all_gather(shards, local, group=group)
-        out[rule.megatron] = layout.unshard(rule, shards, model.flux_config)
-    return out
+    return {rule.megatron: _gather_whole(getattr(params[rule.megatron], attr), rule, model.flux_config)
+            for rule in layout.stage_rules(model.flux_config, model.block_range, model.pre_process,
+                                           model.post_process)}
 
 
 def gather_hf_state_dict(chunks):
@@ -119,18 +120,13 @@ def random_adapters(chunk, config, seed=5, std=0.05):
 def gather_adapters(chunk, attr="data"):
     """Whole adapter tensors (param data or grad) of a chunk gathered over TP, by rule.hf."""
     from mm_grpo.models.flux import lora
-    group = parallel_state.get_tensor_model_parallel_group()
-    size = parallel_state.get_tensor_model_parallel_world_size()
     params = dict(chunk.named_parameters())
     out = {}
     targets = {lora.target_of(n.rsplit(".lora_", 1)[0]) for n in params if ".lora_" in n}
     for rule in lora.chunk_adapter_rules(chunk, targets):
         p = params[rule.megatron]
         local = p.data if attr == "data" else (p.grad if p.grad is not None else p.main_grad)
-        local = local.detach().contiguous()
-        shards = [torch.empty_like(local) for _ in range(size)]
-        dist.all_gather(shards, local, group=group)
-        out[rule.hf] = layout.unshard(rule, shards, chunk.flux_config)
+        out[rule.hf] = _gather_whole(local.detach(), rule, chunk.flux_config)
     return out
 
 
