@@ -41,6 +41,8 @@ MODES = {
     "awm": dict(policy_loss="awm", sampler="ode", init_same_noise=False),
     "nft": dict(policy_loss="nft", sampler="ode", init_same_noise=False),
     "ppo+rationorm": dict(ratio_norm=True),
+    "ppo+guard": dict(ratio_norm=True, step_reweight=True),  # GRPO-Guard: RatioNorm and 1/|dt| step weights
+    "nft-lr5": dict(policy_loss="nft", sampler="ode", init_same_noise=False, lr_scale=5.0),
     # 4 optimizer updates per rollout (a quarter of the images each; micro-batch 4 so they split)
     "full-x4": dict(updates_per_rollout=4, micro_batch_size=4),
     "ppo+rationorm-x4": dict(ratio_norm=True, updates_per_rollout=4, micro_batch_size=4),

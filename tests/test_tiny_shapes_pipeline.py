@@ -42,3 +42,15 @@ def test_family_prompt_files_are_the_held_out_family_subsets():
     assert sorted(s.objects[0].phrase() for s in grpo) == sorted(s.objects[0].phrase() for s in ev)
     pretrain = set(read("pretrain.txt"))
     assert not pretrain & set(read("grpo_pair.txt") + read("eval_pair.txt") + read("grpo_background.txt"))
+
+
+def test_the_demo_prompt_files_split_the_single_and_count_families():
+    """grpo_objects / eval_objects (the CPU demo): every single-object and count caption, from
+    pretraining and the held-out splits, each in exactly one of the two."""
+    from mm_grpo.data.shapes import PromptSpec
+    folder = EVAL.parent
+    read = lambda name: (folder / name).read_text().splitlines()  # noqa: E731
+    grpo, ev = read("grpo_objects.txt"), read("eval_objects.txt")
+    families = ("single", "count")
+    every = {c for f in ("pretrain.txt", "grpo.txt", "eval.txt") for c in read(f) if PromptSpec.parse(c).family in families}
+    assert not set(grpo) & set(ev) and set(grpo) | set(ev) == every and len(grpo) + len(ev) == len(every) == 45

@@ -3,8 +3,7 @@
 #
 #   bash examples/flux/grpo_flux.sh                 # no accelerator: the tiny CPU demo, 2 processes
 #                                                   # (GRPO of the shipped tiny shapes FLUX, docs/demo.md;
-#                                                   # ~16 min on 2 cores; ITERS=60 GBS=32 MBS=4 LR=3e-5:
-#                                                   # a 3-min look)
+#                                                   # ~8 min on 2 cores; ITERS=40: a 2-min look)
 #   PIPELINE_DIR=/models/FLUX.1-dev HPS_PATH=/models/HPS_v2.1_compressed.pt \
 #   PROMPT_FILE=prompts.txt NPUS_PER_NODE=8 TP=2 bash examples/flux/grpo_flux.sh [extra trainer args]
 #
@@ -25,8 +24,11 @@
 #   WINDOW ODE_REUSE               SDE steps of the window / branch; model every k-th ODE step outside it
 #   POLICY_LOSS    ppo (PPO-clip on log-probs) | awm (advantage-weighted flow matching) | nft (DiffusionNFT;
 #                  with --ema-decay its old policy is an EMA) (docs/grpo_schedule.md section 7)
-#   SAME_NOISE=1   the same initial noise for a prompt's G generations (DanceGRPO's init_same_noise;
-#                  on in the CPU demo)
+#   SAME_NOISE=1   the same initial noise for a prompt's G generations (DanceGRPO's init_same_noise)
+#   TIMESTEP_FRACTION  share of the denoising steps trained per sample (0.6; CPU demo 0.25)
+#   KL_BETA        weight of the KL term to the starting policy (0; CPU demo 0.1)
+#   EMA_DECAY EMA_DECAY_RAMP  an EMA of the policy (--ema-decay, --ema-decay-ramp): nft's old policy,
+#                  and what evaluation scores (unset: none; CPU demo 0.5 and 0.01, EMA_DECAY= for none)
 #   EVAL_INTERVAL  held-out evaluation (before training, every EVAL_INTERVAL iterations, at the end)
 #   EVAL_PROMPTS   held-out prompts per evaluation (the CPU demo: all of EVAL_PROMPT_FILE)
 #   IMAGE_INTERVAL a grid of held-out samples every IMAGE_INTERVAL iterations (RUN_DIR/samples)
@@ -49,17 +51,19 @@ if [ -z "${PIPELINE_DIR:-}" ]; then
   if [ "$DEVICE" != "cpu" ]; then
     echo "grpo_flux.sh: set PIPELINE_DIR to a FLUX pipeline folder, or run the tiny demo on the CPU with MM_GRPO_DEVICE=cpu" >&2; exit 2
   fi
-  # The CPU demo: the tiny shapes FLUX shipped in examples/flux/tiny_shapes (pretrained by
-  # build_tiny_shapes.sh), GRPO with the rule-based compositional reward on caption combinations
-  # never seen in pretraining, evaluated on other held-out ones.
+  # The CPU demo (docs/demo.md): the tiny shapes FLUX shipped in examples/flux/tiny_shapes
+  # (pretrained by build_tiny_shapes.sh), DiffusionNFT on ODE rollouts rewarded by full-prompt
+  # accuracy, on the families the model meets in 20-60% of samples (single objects, counts),
+  # evaluated on the other prompts of those families. 16 prompts x G 8 per iteration, a random
+  # quarter of the 16 steps trained, the old policy an EMA, a KL anchor to the pretrained model.
   export PIPELINE_DIR="$SCRIPT_DIR/tiny_shapes"
-  MODEL_JSON="${MODEL_JSON:-$SCRIPT_DIR/model_shapes.json}"; DATA_JSON="${DATA_JSON:-$SCRIPT_DIR/data_shapes.json}"
-  export PROMPT_FILE="${PROMPT_FILE:-$SCRIPT_DIR/shapes_prompts/grpo.txt}"
-  export EVAL_PROMPT_FILE="${EVAL_PROMPT_FILE:-$SCRIPT_DIR/shapes_prompts/eval.txt}"
-  # 32 prompts x G 8 per update: at 32-64 images an update is mostly noise for this reward
-  # (bench/grad_snr.py); 100 updates of 256 images move the held-out score (docs/demo.md).
-  NPUS_PER_NODE="${NPUS_PER_NODE:-2}"; ITERS="${ITERS:-100}"; GBS="${GBS:-256}"; MBS="${MBS:-8}"
-  G="${G:-8}"; LR="${LR:-5e-5}"; SAME_NOISE="${SAME_NOISE:-1}"
+  MODEL_JSON="${MODEL_JSON:-$SCRIPT_DIR/model_shapes_demo.json}"; DATA_JSON="${DATA_JSON:-$SCRIPT_DIR/data_shapes_demo.json}"
+  export PROMPT_FILE="${PROMPT_FILE:-$SCRIPT_DIR/shapes_prompts/grpo_objects.txt}"
+  export EVAL_PROMPT_FILE="${EVAL_PROMPT_FILE:-$SCRIPT_DIR/shapes_prompts/eval_objects.txt}"
+  NPUS_PER_NODE="${NPUS_PER_NODE:-2}"; ITERS="${ITERS:-200}"; GBS="${GBS:-128}"; MBS="${MBS:-8}"
+  G="${G:-8}"; LR="${LR:-1e-4}"; SAMPLER="${SAMPLER:-ode}"; POLICY_LOSS="${POLICY_LOSS:-nft}"; SAME_NOISE="${SAME_NOISE:-0}"
+  TIMESTEP_FRACTION="${TIMESTEP_FRACTION:-0.25}"; KL_BETA="${KL_BETA:-0.1}"
+  EMA_DECAY="${EMA_DECAY-0.5}"; EMA_DECAY_RAMP="${EMA_DECAY_RAMP:-0.01}"
   EVAL_INTERVAL="${EVAL_INTERVAL:-50}"; IMAGE_INTERVAL="${IMAGE_INTERVAL:-$ITERS}"
   EVAL_PROMPTS="${EVAL_PROMPTS:-$(wc -l < "$EVAL_PROMPT_FILE")}"
 fi
@@ -81,10 +85,12 @@ GPT_ARGS="--tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP \
 [ "$DEVICE" = "cpu" ] || GPT_ARGS="$GPT_ARGS --bf16 --recompute-activations"
 MM_ARGS="--mm-model ${MODEL_JSON:-$SCRIPT_DIR/model.json} --mm-data ${DATA_JSON:-$SCRIPT_DIR/data.json}"
 GRPO_ARGS="--num-generations $G --num-inference-steps $STEPS --sampler ${SAMPLER:-dance_sde} --policy-loss ${POLICY_LOSS:-ppo} \
-  --timestep-selection ${TIMESTEPS:-random} --timestep-fraction 0.6 --clip-range ${CLIP:-1e-4} --adv-clip-max 5 \
+  --timestep-selection ${TIMESTEPS:-random} --timestep-fraction ${TIMESTEP_FRACTION:-0.6} --clip-range ${CLIP:-1e-4} \
+  --adv-clip-max 5 --kl-beta ${KL_BETA:-0} \
   --window-size ${WINDOW:-3} --ode-reuse ${ODE_REUSE:-1} --eval-prompts ${EVAL_PROMPTS:-8}"
 [ "${TIMESTEPS:-random}" = branch ] && SAME_NOISE=1  # a group branches from one shared prefix
 [ "${SAME_NOISE:-0}" = 1 ] && GRPO_ARGS="$GRPO_ARGS --init-same-noise"
+[ -n "${EMA_DECAY:-}" ] && GRPO_ARGS="$GRPO_ARGS --ema-decay $EMA_DECAY --ema-decay-ramp ${EMA_DECAY_RAMP:-0.001}"
 OUTPUT_ARGS="--save ${SAVE:-$RUN_DIR/ckpt} --save-interval ${SAVE_INTERVAL:-100} --log-interval ${LOG_INTERVAL:-10} \
   --tensorboard-dir $RUN_DIR --eval-interval ${EVAL_INTERVAL:-20} --save-image-interval ${IMAGE_INTERVAL:-20}"
 [ -n "${LOAD:-}" ] && OUTPUT_ARGS="$OUTPUT_ARGS --load $LOAD"
