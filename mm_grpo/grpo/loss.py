@@ -160,10 +160,8 @@ def nft_loss(
         raise ValueError(f"need beta > 0, kl_beta >= 0 and the reference velocity when kl_beta > 0 "
                          f"(got beta {beta!r}, kl_beta {kl_beta!r})")
     v, v_old = v_pred.float(), v_old.float().detach()
-    target = noise.float() - x0.float()
-    dims = tuple(range(1, v.ndim))
-    positive = (((1 - beta) * v_old + beta * v - target) ** 2).mean(dim=dims)
-    negative = (((1 + beta) * v_old - beta * v - target) ** 2).mean(dim=dims)
+    positive = flow_matching_loss((1 - beta) * v_old + beta * v, x0, noise)
+    negative = flow_matching_loss((1 + beta) * v_old - beta * v, x0, noise)
     r = optimality.float()
     loss = (r * positive + (1 - r) * negative).mean()
     kl = torch.zeros((), device=v_pred.device)
@@ -171,6 +169,6 @@ def nft_loss(
         kl = ((v - ref_v.float()) ** 2).mean()
         loss = loss + kl_beta * kl
     with torch.no_grad():
-        stats = {"loss": loss.detach().clone(), "fm_loss": ((v - target) ** 2).mean(dim=dims).mean(),
+        stats = {"loss": loss.detach().clone(), "fm_loss": flow_matching_loss(v, x0, noise).mean(),
                  "optimality_mean": r.mean(), "kl": kl.detach()}
     return loss, stats
