@@ -87,11 +87,13 @@ GPT_ARGS="--tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP \
 MM_ARGS="--mm-model ${MODEL_JSON:-$SCRIPT_DIR/model.json} --mm-data ${DATA_JSON:-$SCRIPT_DIR/data.json}"
 GRPO_ARGS="--num-generations $G --num-inference-steps $STEPS --sampler ${SAMPLER:-dance_sde} --policy-loss ${POLICY_LOSS:-ppo} \
   --timestep-selection ${TIMESTEPS:-random} --timestep-fraction ${TIMESTEP_FRACTION:-0.6} --clip-range ${CLIP:-1e-4} \
-  --adv-clip-max 5 --kl-beta ${KL_BETA:-0} \
+  --adv-clip-max 5 \
   --window-size ${WINDOW:-3} --ode-reuse ${ODE_REUSE:-1} --eval-prompts ${EVAL_PROMPTS:-8}"
 [ "${TIMESTEPS:-random}" = branch ] && SAME_NOISE=1  # a group branches from one shared prefix
 [ "${SAME_NOISE:-0}" = 1 ] && GRPO_ARGS="$GRPO_ARGS --init-same-noise"
-[ -n "${EMA_DECAY:-}" ] && GRPO_ARGS="$GRPO_ARGS --ema-decay $EMA_DECAY --ema-decay-ramp ${EMA_DECAY_RAMP:-0.001}"
+[ -n "${KL_BETA:-}" ] && GRPO_ARGS="$GRPO_ARGS --kl-beta $KL_BETA"
+[ -n "${EMA_DECAY:-}" ] && GRPO_ARGS="$GRPO_ARGS --ema-decay $EMA_DECAY"
+[ -n "${EMA_DECAY_RAMP:-}" ] && GRPO_ARGS="$GRPO_ARGS --ema-decay-ramp $EMA_DECAY_RAMP"
 OUTPUT_ARGS="--save ${SAVE:-$RUN_DIR/ckpt} --save-interval ${SAVE_INTERVAL:-100} --log-interval ${LOG_INTERVAL:-10} \
   --tensorboard-dir $RUN_DIR --eval-interval ${EVAL_INTERVAL:-20} --save-image-interval ${IMAGE_INTERVAL:-20}"
 [ -n "${LOAD:-}" ] && OUTPUT_ARGS="$OUTPUT_ARGS --load $LOAD"
