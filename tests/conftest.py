@@ -1,3 +1,11 @@
+import os
+
+# Inductor compiles in the test process itself. Otherwise torch 2.7 (MindSpeed-MM's environment) starts
+# a pool of compile processes in every process that imports inductor, each pool about 1.9 GB and
+# seconds of CPU: pytest's, every trainer and converter a test starts, torchrun's agent and every
+# worker. Set before torch is imported; the processes the tests start inherit it.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 from tests.testbed import adapt_megatron_first, has_megatron_training
 
 if has_megatron_training():  # MindSpeed-MM's environment: MindSpeed's adaptor before Megatron, as on NPU
@@ -6,6 +14,7 @@ if has_megatron_training():  # MindSpeed-MM's environment: MindSpeed's adaptor b
 import pytest
 
 from mm_grpo.pipeline.tiny import build_tiny_pipeline
+from tests.threads import threads_over_bound
 
 
 @pytest.fixture(scope="session")
@@ -14,17 +23,35 @@ def tiny_pipeline_dir(tmp_path_factory):
     return build_tiny_pipeline(tmp_path_factory.mktemp("tiny_flux") / "pipeline", seed=0)
 
 
-# Tests marked `mindspeed_mm` run the real MindSpeed-MM code (tests/testbed.py). They need
-# MindSpeed-MM's environment: its dependencies and Megatron-LM's source tree with
-# `megatron.training` (MM_GRPO_ENV=mindspeed-mm bash shell/run_tests.sh). Elsewhere they are
-# deselected, not skipped: .ci/run runs both environments, so nothing is skipped in CI.
-def pytest_collection_modifyitems(config, items):
+@pytest.fixture(autouse=True)
+def bounded_threads():
+    """Fails the test after which pytest's process holds more threads than tests/threads.py allows."""
+    yield
+    if (complaint := threads_over_bound()) is not None:
+        pytest.fail(complaint)
+
+
+# The two environments split the suite (docs/running.md#tests):
+# - `mindspeed_mm` tests run the real MindSpeed-MM code (tests/testbed.py) and need MindSpeed-MM's
+#   environment (Megatron-LM's tree with `megatron.training`): deselected in the default one.
+# - `env_independent` modules execute no code of the packages whose versions differ between the
+#   environments (Megatron, MindSpeed, MindSpeed-MM, transformers, diffusers; measured by
+#   `python -m tests.env_split`): they run in the default one only, unless MM_GRPO_TEST_ALL=1.
+# Deselected, not skipped: the test command runs both environments, so nothing is skipped in CI.
+def deselected_mark():
     from tests.testbed import has_megatron_training
-    if has_megatron_training():
+    if not has_megatron_training():
+        return "mindspeed_mm"
+    return None if os.environ.get("MM_GRPO_TEST_ALL") == "1" else "env_independent"
+
+
+def pytest_collection_modifyitems(config, items):
+    mark = deselected_mark()
+    if mark is None:
         return
-    keep = [i for i in items if "mindspeed_mm" not in i.keywords]
+    keep = [i for i in items if mark not in i.keywords]
     if len(keep) != len(items):
-        config.hook.pytest_deselected(items=[i for i in items if "mindspeed_mm" in i.keywords])
+        config.hook.pytest_deselected(items=[i for i in items if mark in i.keywords])
         items[:] = keep
 
 
@@ -32,6 +59,8 @@ def pytest_report_header(config):
     from tests.testbed import TESTBED, has_megatron_training
     import megatron.core
     env = "MindSpeed-MM (Megatron-LM tree)" if has_megatron_training() else "megatron-core wheel"
+    why = {"mindspeed_mm": "tests marked mindspeed_mm are deselected here: MM_GRPO_ENV=mindspeed-mm bash shell/run_tests.sh",
+           "env_independent": "modules marked env_independent run in the default environment only (MM_GRPO_TEST_ALL=1 runs them here)"}
+    mark = deselected_mark()
     return [f"megatron: {megatron.core.__file__} ({env}); MindSpeed-MM testbed: {TESTBED}",
-            *([] if has_megatron_training() else
-              ["tests marked mindspeed_mm are deselected here: MM_GRPO_ENV=mindspeed-mm bash shell/run_tests.sh"])]
+            *([why[mark]] if mark else [])]

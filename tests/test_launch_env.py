@@ -52,7 +52,8 @@ def fake_npu_python(root):
 
 
 def launch(ascend, python=sys.executable, command=("bash", "-c", PROBE), **env):
-    environ = {k: v for k, v in os.environ.items() if k not in NPU_SETTINGS and k not in ("MM_GRPO_DEVICE", "FAKE_CANN")}
+    environ = {k: v for k, v in os.environ.items()
+               if k not in NPU_SETTINGS and k not in ("MM_GRPO_DEVICE", "FAKE_CANN", "OMP_NUM_THREADS")}
     environ.update(MM_GRPO_ASCEND=str(ascend), MM_GRPO_PYTHON=str(python), PYTHONWARNINGS="ignore", **env)
     proc = subprocess.run(list(command), capture_output=True, text=True, env=environ, cwd=REPO, timeout=300)
     report = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)

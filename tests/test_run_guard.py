@@ -118,10 +118,9 @@ def _run_limited(argv, file_size_limit, tmp_path):
     def limit():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
-    # One inductor compile thread: no compile-worker subprocess, whose start-up warning on the shared
-    # stderr could land after the trainer's last line.
-    env = dict(os.environ, PYTHONPATH=_pythonpath(), MM_GRPO_DEVICE="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               TORCHINDUCTOR_COMPILE_THREADS="1")
+    # TORCHINDUCTOR_COMPILE_THREADS=1 comes from tests/conftest.py: no compile-worker subprocess, whose
+    # start-up warning on the shared stderr could land after the trainer's last line.
+    env = dict(os.environ, PYTHONPATH=_pythonpath(), MM_GRPO_DEVICE="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("TORCHELASTIC_RUN_ID", None)
     if has_megatron_training():
         env = subprocess_env(env)

@@ -7,6 +7,8 @@ import torch
 from mm_grpo.rollout import SAMPLERS, get_sampler, ode_step, sigma_schedule
 from tests.utils import assert_one_line_error
 
+pytestmark = pytest.mark.env_independent  # runs no Megatron / transformers / diffusers code (tests/env_split.py)
+
 SDE_SAMPLERS = ["dance_sde", "flow_sde", "cps"]
 B, S, C = 3, 8, 4
 

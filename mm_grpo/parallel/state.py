@@ -4,6 +4,7 @@ Everything else looks the groups up through `megatron.core.parallel_state`.
 """
 import dataclasses
 import datetime
+import gc
 import os
 import socket
 from typing import Optional
@@ -87,9 +88,25 @@ def initialize_parallel(parallel: ParallelConfig = ParallelConfig(), seed: int =
 _RANKS_LEFT_BY_DESTROY = ("_EMBEDDING_GLOBAL_RANKS", "_POSITION_EMBEDDING_GLOBAL_RANKS")
 
 
+def _destroy_subgroups():
+    """Free every process group but the world's. megatron-core's destroy_model_parallel forgets most
+    of its groups without destroying them, and each gloo group holds three threads and a socket per
+    peer: a process that changes layouts (the tests, the benches) would pile up about 50 threads a
+    layout. A group's threads end with its last reference, and the previous layout's modules,
+    DDP buffers and optimizers hold theirs in reference cycles: collect those now, not whenever
+    the collector next runs."""
+    world = dist.group.WORLD
+    for group in list(dist.distributed_c10d._world.pg_map):  # every group this rank is in
+        if group is not world:
+            dist.destroy_process_group(group)
+    gc.collect()
+
+
 def destroy_parallel():
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        _destroy_subgroups()
     for name in _RANKS_LEFT_BY_DESTROY:
         if hasattr(parallel_state, name):
             setattr(parallel_state, name, None)

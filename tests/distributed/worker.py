@@ -20,6 +20,8 @@ import traceback
 import mm_grpo  # noqa: F401  (platform adaptor first)
 import torch.distributed as dist
 
+from tests.threads import thread_count, threads_over_bound
+
 # Modules whose import registers checks.
 CHECK_MODULES = [
     "tests.distributed.checks_tp",
@@ -74,6 +76,8 @@ def main(out_path):
             metrics, error = {}, f"rank {rank}: {traceback.format_exc()}"
             print(f"[worker] {fn.__name__} failed on {error}", file=sys.stderr, flush=True)
         destroy_parallel()
+        if error is None and (complaint := threads_over_bound()) is not None:
+            error = f"rank {rank}: {complaint}"
         errors = [None] * world
         try:
             dist.all_gather_object(errors, error)
@@ -86,7 +90,7 @@ def main(out_path):
             raise
         errors = [e for e in errors if e]
         results[fn.__name__] = {"ok": not errors, "error": "\n".join(errors), "metrics": metrics,
-                                "seconds": round(time.time() - start, 2)}
+                                "seconds": round(time.time() - start, 2), "threads": thread_count()}
         if rank == 0:
             print(f"[worker] {fn.__name__}: {'ok' if not errors else 'FAILED'} {metrics}", flush=True)
             _write(results, out_path)  # after every check: a launch stopped midway still reports
