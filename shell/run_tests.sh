@@ -9,8 +9,8 @@
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # No MM_GRPO_ENV: both environments (what CI runs), set up one after the other, then tested side by
-# side: each suite keeps one core busy about 60% of its time (imports, launches, waits for timeouts),
-# so together they finish well before one after the other (docs/running.md#tests). The default
+# side: a suite alone keeps the two cores about 60% busy (imports, launches, a wait for a collective
+# timeout), so together they finish before one after the other (docs/running.md#tests). The default
 # environment's output streams; MindSpeed-MM's follows when both are done. Fails if either fails.
 if [ -z "${MM_GRPO_ENV:-}" ]; then
   for env in default mindspeed-mm; do

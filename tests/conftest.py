@@ -1,3 +1,4 @@
+import gc
 import os
 
 # Inductor compiles in the test process itself. Otherwise torch 2.7 (MindSpeed-MM's environment) starts
@@ -21,6 +22,13 @@ from tests.threads import threads_over_bound
 def tiny_pipeline_dir(tmp_path_factory):
     """A tiny diffusers FLUX pipeline folder (mm_grpo.pipeline.tiny, seed 0), built once per session."""
     return build_tiny_pipeline(tmp_path_factory.mktemp("tiny_flux") / "pipeline", seed=0)
+
+
+def pytest_collection_finish(session):
+    # Everything imported so far lives as long as the process: out of the collector's sight, the
+    # full collections that free a layout's process groups (destroy_parallel) take milliseconds,
+    # not the second they took over MindSpeed-MM's and the testbed's objects.
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)

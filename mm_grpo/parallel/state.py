@@ -7,6 +7,7 @@ import datetime
 import gc
 import os
 import socket
+import time
 from typing import Optional
 
 import torch
@@ -88,6 +89,21 @@ def initialize_parallel(parallel: ParallelConfig = ParallelConfig(), seed: int =
 _RANKS_LEFT_BY_DESTROY = ("_EMBEDDING_GLOBAL_RANKS", "_POSITION_EMBEDDING_GLOBAL_RANKS")
 
 
+# gloo's worker thread lets go of a finished collective's tensors just after the caller has its
+# result; when Python no longer holds them, that takes the GIL. A group destroyed in that moment
+# deadlocks (seen with torch 2.7 at the end of a 4-process launch, barrier() then
+# destroy_process_group()): its destructor, holding the GIL, waits for the worker thread's lock, and
+# the worker thread, holding that lock, waits for the GIL. Releasing the GIL this long first lets the
+# worker threads finish.
+GLOO_SETTLE_SECONDS = 0.05
+
+
+def end_process_groups():
+    """The end of a distributed process: every group, the world's too."""
+    time.sleep(GLOO_SETTLE_SECONDS)
+    dist.destroy_process_group()
+
+
 def _destroy_subgroups():
     """Free every process group but the world's. megatron-core's destroy_model_parallel forgets most
     of its groups without destroying them, and each gloo group holds three threads and a socket per
@@ -96,6 +112,7 @@ def _destroy_subgroups():
     DDP buffers and optimizers hold theirs in reference cycles: collect those now, not whenever
     the collector next runs."""
     world = dist.group.WORLD
+    time.sleep(GLOO_SETTLE_SECONDS)
     for group in list(dist.distributed_c10d._world.pg_map):  # every group this rank is in
         if group is not world:
             dist.destroy_process_group(group)

@@ -9,6 +9,7 @@ import time
 import torch.distributed as dist
 
 from mm_grpo.checkpoint.lock import RunFolderLocked
+from mm_grpo.parallel.state import end_process_groups
 from mm_grpo.training import run_guard
 
 
@@ -53,4 +54,4 @@ def run_entry(main):
         _fail(str(e), 2)
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+        end_process_groups()

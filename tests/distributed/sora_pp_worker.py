@@ -16,7 +16,7 @@ import mm_grpo  # noqa: F401
 
 
 def main(out_path):
-    from mm_grpo.parallel.state import init_process_group
+    from mm_grpo.parallel.state import end_process_groups, init_process_group
     from tests.distributed.checks_mindspeed_mm import sora_pp2_flow_step_matches_mm_grpo
     init_process_group()
     try:
@@ -33,7 +33,7 @@ def main(out_path):
                                                               "metrics": metrics}}, f)
         os.replace(out_path + ".tmp", out_path)
     dist.barrier()
-    dist.destroy_process_group()
+    end_process_groups()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ pytest side asserts on (tests/distributed/test_*.py). Run by tests/distributed/c
 
 MM_GRPO_CHECKS=REGEX in the environment runs only the checks whose name it matches (a manual run).
 """
+import gc
 import importlib
 import importlib.util
 import json
@@ -61,7 +62,8 @@ def main(out_path):
     # Under `-m` this file runs as __main__, while the check modules register with the
     # importable `tests.distributed.worker`: read the checks from that one.
     checks = importlib.import_module("tests.distributed.worker")._CHECKS
-    from mm_grpo.parallel.state import destroy_parallel, init_process_group
+    gc.freeze()  # what the imports made lives as long as the process (tests/conftest.py)
+    from mm_grpo.parallel.state import destroy_parallel, end_process_groups, init_process_group
     init_process_group(timeout_minutes=COLLECTIVE_TIMEOUT_MINUTES)
     world, rank = dist.get_world_size(), dist.get_rank()
     results = {}
@@ -95,7 +97,7 @@ def main(out_path):
             print(f"[worker] {fn.__name__}: {'ok' if not errors else 'FAILED'} {metrics}", flush=True)
             _write(results, out_path)  # after every check: a launch stopped midway still reports
     dist.barrier()
-    dist.destroy_process_group()
+    end_process_groups()
 
 
 if __name__ == "__main__":
