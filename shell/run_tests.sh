@@ -25,7 +25,7 @@ if [ -z "${MM_GRPO_ENV:-}" ]; then
   # Its own process group, so that an interrupted run stops it with every process it started.
   MM_GRPO_ENV=mindspeed-mm setsid -w bash "$repo/shell/run_tests.sh" "$@" > "$ms_log" 2>&1 &
   ms_pid=$!
-  trap 'kill -- -"$ms_pid" 2>/dev/null; rm -f "$ms_log"' EXIT
+  trap 'kill -- -"$ms_pid" 2>/dev/null || true; rm -f "$ms_log"' EXIT
   trap 'exit 130' INT TERM
   failed=()
   echo "[run_tests] MM_GRPO_ENV=default" >&2
