@@ -7,7 +7,7 @@ import os
 # worker. Set before torch is imported; the processes the tests start inherit it.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
-from tests.testbed import adapt_megatron_first, has_megatron_training
+from tests.testbed import adapt_megatron_first, env_independent_deselected, has_megatron_training
 
 if has_megatron_training():  # MindSpeed-MM's environment: MindSpeed's adaptor before Megatron, as on NPU
     adapt_megatron_first()
@@ -25,9 +25,9 @@ def tiny_pipeline_dir(tmp_path_factory):
 
 
 def pytest_collection_finish(session):
-    # Everything imported so far lives as long as the process: out of the collector's sight, the
-    # full collections that free a layout's process groups (destroy_parallel) take milliseconds,
-    # not the second they took over MindSpeed-MM's and the testbed's objects.
+    # Everything imported so far lives as long as the process: out of the collector's sight, so that
+    # the full collections that free a layout's process groups (destroy_parallel) do not walk every
+    # object of MindSpeed-MM, the testbed, transformers and diffusers (docs/running.md#tests).
     gc.freeze()
 
 
@@ -47,13 +47,19 @@ def bounded_threads():
 #   `python -m tests.env_split`): they run in the default one only, unless MM_GRPO_TEST_ALL=1.
 # Deselected, not skipped: the test command runs both environments, so nothing is skipped in CI.
 def deselected_mark():
-    from tests.testbed import has_megatron_training
     if not has_megatron_training():
         return "mindspeed_mm"
-    return None if os.environ.get("MM_GRPO_TEST_ALL") == "1" else "env_independent"
+    return "env_independent" if env_independent_deselected() else None
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
+    # Under pytest-xdist (shell/run_tests.sh runs MindSpeed-MM's suite on two workers), a module's
+    # tests share a worker, and so do all of tests/distributed/, whose checks share one torchrun
+    # launch per world size (tests/distributed/conftest.py).
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group("distributed" if module.startswith("tests/distributed/") else module))
     mark = deselected_mark()
     if mark is None:
         return

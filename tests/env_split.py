@@ -83,28 +83,51 @@ def function_body_lines(path):
     return frozenset(lines)
 
 
-def dependent_tests(data_file, folders):
-    """{node id: packages} of the tests that ran a function body of the measured packages."""
+CHECK = "check:"  # the context of a torchrun check's lines (tests/distributed/worker.py)
+
+
+def measured_lines(data_file, folders):
+    """({node id: packages} of the tests that ran a function body of the measured packages,
+    {check name: {(file, line)}} of the Megatron function-body lines each torchrun check ran)."""
     import coverage
     data = coverage.CoverageData(data_file)
     data.read()
-    tests = {}
+    tests, checks = {}, {}
     for path in data.measured_files():
         package = next((name for top, name in folders.items() if path.startswith(top + os.sep)), None)
         body = function_body_lines(path)
         for line, contexts in data.contexts_by_lineno(path).items():
-            if line in body:
-                for c in contexts:
-                    if test := c.split("|")[-1]:
-                        tests.setdefault(test, set()).add(package)
-    return tests
+            if line not in body:
+                continue
+            for c in contexts:  # "static|dynamic": pytest's "|node id", a process it started "node id[|check:name]"
+                parts = c.split("|")
+                if test := next((p for p in parts if p and not p.startswith(CHECK)), None):
+                    tests.setdefault(test, set()).add(package)
+                if parts[-1].startswith(CHECK) and package == "megatron":
+                    checks.setdefault(parts[-1][len(CHECK):], set()).add((path, line))
+    return tests, checks
 
 
-def collected_modules(pytest_args, *select):
-    """Test module paths that pytest collects with these arguments (`-m env_independent`: the marked)."""
+def unjustified_checks(checks):
+    """{check: lines} of the checks registered env_independent that ran a Megatron line no unmarked
+    check ran; every such check must have run."""
+    import importlib
+    from tests.distributed import worker
+    for name in worker.CHECK_MODULES:
+        importlib.import_module(name)
+    if not checks:  # no torchrun check ran (a selection without tests/distributed/)
+        return {}
+    marked = {fn.__name__ for fn, _ in worker._CHECKS if fn.env_independent}
+    kept = set().union(*(lines for name, lines in checks.items() if name not in marked))
+    return {name: sorted(checks.get(name, {("(did not run)", 0)}) - kept)
+            for name in marked if checks.get(name, {("(did not run)", 0)}) - kept}
+
+
+def collected(pytest_args, *select):
+    """Node ids that pytest collects with these arguments (`-m env_independent`: the marked)."""
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                           *select, *pytest_args], cwd=REPO, capture_output=True, text=True).stdout
-    return sorted({line.split("::")[0] for line in out.splitlines() if "::" in line})
+    return {line.strip() for line in out.splitlines() if "::" in line}
 
 
 def main(pytest_args):
@@ -128,7 +151,7 @@ def main(pytest_args):
                               "-p", "tests.env_split", "-p", "no:cacheprovider", "-q", *pytest_args],
                              cwd=REPO, env=env)
         subprocess.run([sys.executable, "-m", "coverage", "combine", f"--rcfile={rc}", "-q"], cwd=REPO, check=True)
-        tests = dependent_tests(data_file, folders)
+        tests, checks = measured_lines(data_file, folders)
         with open(ran_file) as f:
             ran = {line.strip().split("::")[0] for line in f if line.strip()}
     dependent = {}
@@ -140,9 +163,17 @@ def main(pytest_args):
     for module in ran:
         if module.startswith("tests/distributed/"):
             dependent.setdefault(module, set()).add("megatron (parallel layouts)")
-    marked = set(collected_modules(pytest_args, "-m", "env_independent"))
-    modules = {m: m in marked for m in collected_modules(pytest_args) if m in ran}
+    every, marked_ids = collected(pytest_args), collected(pytest_args, "-m", "env_independent")
+    by_module = {}
+    for node in every:
+        by_module.setdefault(node.split("::")[0], set()).add(node)
+    # A module is marked as a whole; in tests/distributed/ single tests may be marked, those of the
+    # torchrun checks registered env_independent, which are measured check by check below.
+    modules = {m: nodes <= marked_ids for m, nodes in sorted(by_module.items()) if m in ran}
     wrong = [m for m, free in modules.items() if free and m in dependent]
+    wrong += sorted({n.split("::")[0] for n in marked_ids
+                     if not modules.get(n.split("::")[0]) and not n.startswith("tests/distributed/")})
+    wrong_checks = unjustified_checks(checks)
     print("\nversion-dependent (both environments):\n  " + "\n  ".join(
         f"{m}   ({', '.join(sorted(dependent[m]))})" for m in modules if m in dependent))
     print("env-independent (default environment only):\n  " + "\n  ".join(
@@ -150,8 +181,14 @@ def main(pytest_args):
         for m, free in modules.items() if m not in dependent))
     if run.returncode not in (0, 1):
         sys.exit(f"the measured pytest run ended with exit code {run.returncode}")
+    print("torchrun checks registered env_independent (default environment only): every Megatron line they ran,"
+          " an unmarked check ran too" if not wrong_checks else "")
     if wrong:
-        sys.exit("marked env_independent but ran Megatron / MindSpeed / MindSpeed-MM code: " + ", ".join(wrong))
+        sys.exit("marked env_independent but ran Megatron / MindSpeed / MindSpeed-MM code (or marked in part "
+                 "outside tests/distributed/): " + ", ".join(wrong))
+    if wrong_checks:
+        sys.exit("torchrun checks registered env_independent that ran Megatron lines no unmarked check ran: " +
+                 "; ".join(f"{name}: {lines[:3]}" for name, lines in wrong_checks.items()))
 
 
 if __name__ == "__main__":

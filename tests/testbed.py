@@ -100,6 +100,50 @@ def adapt_megatron_first():
     importlib.import_module("mindspeed.megatron_adaptor")
 
 
+class _AdaptorAsMegatronLoads(importlib.abc.MetaPathFinder):
+    """Finds the `megatron` package with a loader that imports MindSpeed's adaptor right after the
+    package itself, before any of its modules: `adapt_megatron_first` paid only by the processes that
+    import Megatron."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "megatron":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None:
+            spec.loader = _ThenTheAdaptor(spec.loader)
+        return spec
+
+
+class _ThenTheAdaptor(importlib.abc.Loader):
+    def __init__(self, loader):
+        self.loader = loader  # None for a namespace package (Megatron-LM's tree has no megatron/__init__.py)
+
+    def create_module(self, spec):
+        return None if self.loader is None else self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        if self.loader is not None:
+            self.loader.exec_module(module)
+        if has_megatron_training():  # MindSpeed-MM's environment (the wheel has no megatron.training)
+            adapt_megatron_first()
+
+    def __getattr__(self, name):  # what else the package's loader answers (get_resource_reader, ...)
+        return getattr(self.loader, name)
+
+
+def adapt_megatron_on_import():
+    """`adapt_megatron_first` at this process's first import of Megatron, for the processes a test
+    starts (tests/standins/sitecustomize.py). Deferred, because helpers started with the stand-ins on
+    PYTHONPATH import no Megatron (jsonargparse's typeshed probe runs `python -c ...`): importing the
+    adaptor up front cost each about 9 s of CPU in MindSpeed-MM's environment."""
+    if "megatron" in sys.modules:
+        if has_megatron_training():
+            adapt_megatron_first()
+    elif not any(isinstance(f, _AdaptorAsMegatronLoads) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AdaptorAsMegatronLoads())
+
+
 def subprocess_env(env=None) -> dict:
     """Environment for a child process that sees the testbed and the stand-ins."""
     env = dict(os.environ if env is None else env)
@@ -112,6 +156,12 @@ def has_megatron_training() -> bool:
     """Megatron-LM's `megatron.training` (MindSpeed-MM's environment) rather than the megatron-core
     wheel, which ships `megatron.core` only."""
     return importlib.util.find_spec("megatron.training") is not None
+
+
+def env_independent_deselected() -> bool:
+    """Whether tests and torchrun checks marked env_independent are left out here: in MindSpeed-MM's
+    environment, unless MM_GRPO_TEST_ALL=1 (docs/running.md#tests)."""
+    return has_megatron_training() and os.environ.get("MM_GRPO_TEST_ALL") != "1"
 
 
 def require_testbed(needs_megatron_training=False):

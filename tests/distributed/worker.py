@@ -10,7 +10,6 @@ MM_GRPO_CHECKS=REGEX in the environment runs only the checks whose name it match
 """
 import gc
 import importlib
-import importlib.util
 import json
 import os
 import re
@@ -21,6 +20,7 @@ import traceback
 import mm_grpo  # noqa: F401  (platform adaptor first)
 import torch.distributed as dist
 
+from tests.testbed import env_independent_deselected, has_megatron_training
 from tests.threads import thread_count, threads_over_bound
 
 # Modules whose import registers checks.
@@ -31,14 +31,18 @@ CHECK_MODULES = [
     "tests.distributed.checks_grpo",
     "tests.distributed.checks_flow",
 ]
-if importlib.util.find_spec("megatron.training") is not None:  # MindSpeed-MM's environment
+if has_megatron_training():  # MindSpeed-MM's environment
     CHECK_MODULES.append("tests.distributed.checks_mindspeed_mm")  # the real PredictModel
 
 _CHECKS = []
 
 
-def check(*world_sizes):
+def check(*world_sizes, env_independent=False):
+    """Registers a check for these world sizes. env_independent: it runs no Megatron line that the
+    unmarked checks do not run (measured: python -m tests.env_split), so MindSpeed-MM's environment
+    leaves it out, as it does the tests marked so (docs/running.md#tests)."""
     def register(fn):
+        fn.env_independent = env_independent
         _CHECKS.append((fn, world_sizes))
         return fn
     return register
@@ -56,6 +60,12 @@ def _write(results, out_path):
     os.replace(tmp, out_path)
 
 
+def _measure_as(name):
+    """Under coverage (python -m tests.env_split), the lines the next check runs count as its own."""
+    if "coverage" in sys.modules and (cov := sys.modules["coverage"].Coverage.current()) is not None:
+        cov.switch_context(f"check:{name}")
+
+
 def main(out_path):
     for name in CHECK_MODULES:
         importlib.import_module(name)
@@ -68,10 +78,12 @@ def main(out_path):
     world, rank = dist.get_world_size(), dist.get_rank()
     results = {}
     only = os.environ.get("MM_GRPO_CHECKS")
+    left_out = env_independent_deselected()
     for fn, sizes in checks:
-        if world not in sizes or (only and not re.search(only, fn.__name__)):
+        if world not in sizes or (only and not re.search(only, fn.__name__)) or (left_out and fn.env_independent):
             continue
         start = time.time()
+        _measure_as(fn.__name__)
         try:
             metrics, error = fn() or {}, None
         except Exception:

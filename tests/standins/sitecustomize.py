@@ -4,8 +4,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests.testbed import adapt_megatron_first, has_megatron_training, install_standins  # noqa: E402
+from tests.testbed import adapt_megatron_on_import, install_standins  # noqa: E402
 
 install_standins()
-if has_megatron_training():  # MindSpeed-MM's environment: MindSpeed's adaptor before Megatron
-    adapt_megatron_first()
+adapt_megatron_on_import()  # MindSpeed-MM's environment: MindSpeed's adaptor before Megatron
