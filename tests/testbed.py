@@ -101,14 +101,20 @@ def adapt_megatron_first():
 
 
 class _AdaptorAsMegatronLoads(importlib.abc.MetaPathFinder):
-    """Finds the `megatron` package with a loader that imports MindSpeed's adaptor right after the
-    package itself, before any of its modules: `adapt_megatron_first` paid only by the processes that
-    import Megatron."""
+    """`adapt_megatron_first` at the first import of `mm_grpo` or `megatron`, whichever comes first:
+    paid only by the processes that use Megatron. Before mm_grpo, whose CPU patch set hooks the
+    imports of Megatron's and MindSpeed-MM's modules: MindSpeed's adaptor must have imported its
+    Megatron modules first, as on an NPU. For `megatron`, right after the package itself, before any
+    of its modules (a loader that imports the adaptor then)."""
 
     def find_spec(self, name, path, target=None):
-        if name != "megatron":
+        if name not in ("mm_grpo", "megatron"):
             return None
         sys.meta_path.remove(self)
+        if name == "mm_grpo":
+            if has_megatron_training():  # MindSpeed-MM's environment (the wheel has no megatron.training)
+                adapt_megatron_first()
+            return None  # mm_grpo itself is found as usual
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is not None:
             spec.loader = _ThenTheAdaptor(spec.loader)

@@ -10,8 +10,8 @@
 #   bash examples/flux/build_tiny_shapes.sh            # OUT=examples/flux/tiny_shapes (replaced)
 #
 # Settings: OUT, WORK (scratch folder, default runs/build_tiny_shapes), SEED, NUM_IMAGES,
-# VAE_STEPS, ITERS (transformer iterations), GBS, LR, SAVE_INTERVAL and EVAL_INTERVAL (held-out
-# accuracy during pretraining). Stage times go to $WORK/times.txt.
+# VAE_STEPS, ITERS (transformer iterations), GBS, LR, WARMUP (lr warm-up iterations), SAVE_INTERVAL
+# and EVAL_INTERVAL (held-out accuracy during pretraining). Stage times go to $WORK/times.txt.
 set -euo pipefail
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$SCRIPT_DIR/../.." && pwd)"
@@ -20,7 +20,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONWARNINGS="${PYTHONWARNINGS:
 
 OUT="${OUT:-$SCRIPT_DIR/tiny_shapes}"; WORK="${WORK:-$REPO/runs/build_tiny_shapes}"
 SEED="${SEED:-0}"; NUM_IMAGES="${NUM_IMAGES:-6000}"; VAE_STEPS="${VAE_STEPS:-2000}"
-ITERS="${ITERS:-2000}"; GBS="${GBS:-64}"; LR="${LR:-1e-3}"
+ITERS="${ITERS:-2000}"; GBS="${GBS:-64}"; LR="${LR:-1e-3}"; WARMUP="${WARMUP:-100}"
 PROMPTS="$SCRIPT_DIR/shapes_prompts"
 rm -rf "$WORK"; mkdir -p "$WORK"
 START=$SECONDS; LAST=$SECONDS
@@ -40,7 +40,7 @@ stage vae
 stage init
 PIPELINE_DIR="$WORK/init" DATA_DIR="$WORK/data" RUN_DIR="$WORK/pretrain" \
 MODEL_JSON="$SCRIPT_DIR/model_flow_shapes.json" DATA_JSON="$SCRIPT_DIR/data_flow_shapes.json" \
-NPUS_PER_NODE=2 ITERS="$ITERS" GBS="$GBS" MBS=$((GBS / 2)) LR="$LR" WARMUP=100 DECAY=cosine WD=0 SHIFT=3 \
+NPUS_PER_NODE=2 ITERS="$ITERS" GBS="$GBS" MBS=$((GBS / 2)) LR="$LR" WARMUP="$WARMUP" DECAY=cosine WD=0 SHIFT=3 \
 SEED="$SEED" SAVE_INTERVAL="${SAVE_INTERVAL:-500}" EVAL_INTERVAL="${EVAL_INTERVAL:-500}" LOG_INTERVAL=100 \
   bash "$SCRIPT_DIR/pretrain_flux.sh" --no-progress-bar --eval-prompts "$(wc -l < "$PROMPTS/eval.txt")"
 stage pretrain
