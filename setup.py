@@ -25,7 +25,7 @@ setup(
         "peft",  # diffusers' LoRA loading (FluxPipeline.load_lora_weights) and PEFT LoRA files
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-xdist>=3.6", "coverage>=7.10"],  # xdist: shell/run_tests.sh; coverage: python -m tests.env_split
+        "test": ["pytest>=8", "coverage>=7.10"],  # coverage: python -m tests.env_split
         # megatron-core is an extra, so that an environment with Megatron-LM's tree on PYTHONPATH
         # (MindSpeed-MM's) does not get a second megatron. 0.12.x is MindSpeed's pin; 0.16.1 the
         # newest for Python 3.11; `import mm_grpo` checks the version of whichever is in use.

@@ -53,13 +53,9 @@ if [ "${MM_GRPO_ENV:-default}" = mindspeed-mm ]; then
     exit 1
   fi
   export PYTHONPATH="$(cd "$megatron_lm" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
-  # Two pytest-xdist workers: alone, this suite keeps one core busy, and it is the longer of the
-  # two; a module's tests share a worker, tests/distributed/ all one (tests/conftest.py).
-  workers=(-n 2 --dist loadgroup)
 else
   venv="${MM_GRPO_VENV:-$repo/.venv}"
-  workers=()
 fi
 # Wall and CPU time of the suite, the processes it starts included (docs/running.md#tests).
 TIMEFORMAT="[run_tests] MM_GRPO_ENV=${MM_GRPO_ENV:-default}: %0R s wall, %0U s user + %0S s sys CPU"
-time "$venv/bin/python" -m pytest tests "${workers[@]}" "$@"
+time "$venv/bin/python" -m pytest tests "$@"

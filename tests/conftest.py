@@ -52,14 +52,7 @@ def deselected_mark():
     return "env_independent" if env_independent_deselected() else None
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    # Under pytest-xdist (shell/run_tests.sh runs MindSpeed-MM's suite on two workers), a module's
-    # tests share a worker, and so do all of tests/distributed/, whose checks share one torchrun
-    # launch per world size (tests/distributed/conftest.py).
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group("distributed" if module.startswith("tests/distributed/") else module))
     mark = deselected_mark()
     if mark is None:
         return

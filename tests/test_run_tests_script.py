@@ -2,8 +2,7 @@
 exit status is 0 only when both suites pass, and it leaves no file behind.
 
 A run that selected one test in each environment and a run whose pytest arguments are wrong; the
-environments are the ones already set up (set-up is a no-op when its pins are unchanged). -n 0:
-MindSpeed-MM's suite on one worker, as starting two to run one test costs two collections."""
+environments are the ones already set up (set-up is a no-op when its pins are unchanged)."""
 import os
 import re
 import subprocess
@@ -33,7 +32,7 @@ def _logs_left(tmp_dir):
 
 
 def test_both_suites_pass_and_the_command_exits_0(tmp_path):
-    proc = _run_tests(tmp_path, "-q", "-p", "no:cacheprovider", "-n", "0", "-k", ONE_TEST)
+    proc = _run_tests(tmp_path, "-q", "-p", "no:cacheprovider", "-k", ONE_TEST)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert len(re.findall(r"\b1 passed", out)) == 2, out[-3000:]
