@@ -12,7 +12,9 @@ function of those packages (lines run at import do not count: which test imports
 depends on the order); the rest are *env-independent* and run in the default environment only,
 marked `env_independent`. It prints both lists and fails when a marked module is version-dependent;
 an unmarked env-independent module is only reported (it runs in both environments, which is never
-wrong, only slower). docs/running.md#tests.
+wrong, only slower). torchrun checks are measured one by one (the workers switch the coverage
+context per check): one registered env_independent fails the run when it ran a Megatron line that
+no unmarked check ran. docs/running.md#tests.
 """
 import ast
 import functools
