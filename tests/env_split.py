@@ -121,8 +121,8 @@ def unjustified_checks(checks):
         return {}
     marked = {fn.__name__ for fn, _ in worker._CHECKS if fn.env_independent}
     kept = set().union(*(lines for name, lines in checks.items() if name not in marked))
-    return {name: sorted(checks.get(name, {("(did not run)", 0)}) - kept)
-            for name in marked if checks.get(name, {("(did not run)", 0)}) - kept}
+    new = {name: checks.get(name, {("(did not run)", 0)}) - kept for name in marked}
+    return {name: sorted(lines) for name, lines in new.items() if lines}
 
 
 def collected(pytest_args, *select):

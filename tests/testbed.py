@@ -112,8 +112,7 @@ class _AdaptorAsMegatronLoads(importlib.abc.MetaPathFinder):
             return None
         sys.meta_path.remove(self)
         if name == "mm_grpo":
-            if has_megatron_training():  # MindSpeed-MM's environment (the wheel has no megatron.training)
-                adapt_megatron_first()
+            _adapt_in_mindspeed_mm_environment()
             return None  # mm_grpo itself is found as usual
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is not None:
@@ -131,21 +130,24 @@ class _ThenTheAdaptor(importlib.abc.Loader):
     def exec_module(self, module):
         if self.loader is not None:
             self.loader.exec_module(module)
-        if has_megatron_training():  # MindSpeed-MM's environment (the wheel has no megatron.training)
-            adapt_megatron_first()
+        _adapt_in_mindspeed_mm_environment()
 
     def __getattr__(self, name):  # what else the package's loader answers (get_resource_reader, ...)
         return getattr(self.loader, name)
 
 
+def _adapt_in_mindspeed_mm_environment():
+    if has_megatron_training():  # MindSpeed-MM's environment (the wheel has no megatron.training)
+        adapt_megatron_first()
+
+
 def adapt_megatron_on_import():
-    """`adapt_megatron_first` at this process's first import of Megatron, for the processes a test
-    starts (tests/standins/sitecustomize.py). Deferred, because helpers started with the stand-ins on
-    PYTHONPATH import no Megatron (jsonargparse's typeshed probe runs `python -c ...`): importing the
-    adaptor up front cost each about 9 s of CPU in MindSpeed-MM's environment."""
+    """`adapt_megatron_first` at this process's first import of mm_grpo or Megatron, for the
+    processes a test starts (tests/standins/sitecustomize.py). Deferred, because helpers started with
+    the stand-ins on PYTHONPATH import neither (jsonargparse's typeshed probe runs `python -c ...`):
+    importing the adaptor up front cost each about 9 s of CPU in MindSpeed-MM's environment."""
     if "megatron" in sys.modules:
-        if has_megatron_training():
-            adapt_megatron_first()
+        _adapt_in_mindspeed_mm_environment()
     elif not any(isinstance(f, _AdaptorAsMegatronLoads) for f in sys.meta_path):
         sys.meta_path.insert(0, _AdaptorAsMegatronLoads())
 
