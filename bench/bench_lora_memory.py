@@ -87,8 +87,8 @@ def measure(config: FluxConfig, preset, lora_config=None) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="bench", choices=[k for k, v in PRESETS.items() if v.transformer])
-    p.add_argument("--lora-r", type=int, default=8)
-    p.add_argument("--lora-alpha", type=float, default=16.0)
+    p.add_argument("--lora-r", type=int, default=lora.LoRAConfig.r)
+    p.add_argument("--lora-alpha", type=float, default=lora.LoRAConfig.alpha)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)

@@ -10,6 +10,7 @@ from mm_grpo.rollout import rollout
 from mm_grpo.training.loop import optimizer_step
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.grpo_helpers import SMOOTH_REWARD, grpo_argv, run_grpo, write_configs
+from tests.utils import assert_one_line_error
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +196,16 @@ def test_ratio_norm_keeps_the_first_ratio_at_one_and_moves_later_ones(parallel_1
     assert stats["ratio_max"] > 1.0 or stats["ratio_min"] < 1.0
     with pytest.raises(ValueError, match="--ratio-norm normalises PPO's importance ratio"):
         _error(grpo_argv(*configs, extra=["--ratio-norm", "--policy-loss", "awm", "--sampler", "ode"]))
+
+
+def test_ratio_norm_refuses_cps_whose_log_ratio_is_not_gaussian():
+    """RatioNorm's bias |d|^2 / (2 std^2) is that of a Gaussian log-ratio; cps scores with Flow-GRPO's
+    constant-free squared error (tests/test_samplers.py)."""
+    from mm_grpo.grpo.schedule import GRPOSettings
+    settings = GRPOSettings(global_batch_size=8, num_generations=4, ratio_norm=True, sampler="cps")
+    assert_one_line_error(lambda: settings.check(dp_size=1), "--ratio-norm removes the bias of a Gaussian step's "
+                          "log-ratio; cps's log-prob is Flow-GRPO's constant-free squared error: use --sampler")
+    dataclasses.replace(settings, sampler="flow_sde").check(dp_size=1)
 
 
 def test_step_reweight_weighs_each_steps_ppo_term_by_one_over_its_dt(parallel_1proc, configs):

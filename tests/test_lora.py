@@ -6,7 +6,7 @@ import torch
 from mm_grpo.models.flux import FluxConfig, FluxTransformer, lora
 from mm_grpo.models.flux.hf_weights import load_hf_weights
 from tests.fixtures import parallel_1proc  # noqa: F401
-from tests.utils import make_inputs, random_adapters, random_reference, rel_err
+from tests.utils import assert_one_line_error, make_inputs, random_adapters, random_reference, rel_err
 
 CONFIG = FluxConfig.preset("tiny")
 ALL = lora.LoRAConfig(r=4, alpha=8, targets=tuple(lora.TARGETS))
@@ -72,6 +72,40 @@ def test_adapter_is_the_low_rank_update_of_the_weight(parallel_1proc):
 def test_bad_lora_settings_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         lora.LoRAConfig(**kwargs)
+
+
+def _parse(*extra, folder="missing"):
+    from mm_grpo.training.arguments import parse_args
+    return parse_args(["--train-iters", "1", "--mm-model", f"{folder}/model.json", "--mm-data", f"{folder}/data.json",
+                       *extra])
+
+
+# alpha and dropout at their default values: still given
+@pytest.mark.parametrize("flag, value", [("--lora-r", "4"), ("--lora-alpha", str(lora.LoRAConfig.alpha)),
+                                         ("--lora-dropout", str(lora.LoRAConfig.dropout)),
+                                         ("--lora-load", "x.safetensors")])
+def test_an_adapter_flag_without_target_modules_is_refused_at_parsing(flag, value):
+    """It would train the full model. The config files do not exist: the error comes before they are read."""
+    assert_one_line_error(lambda: _parse(flag, value), f"^{flag} given without --lora-target-modules: add "
+                          r"--lora-target-modules \(e\.g\. linear_qkv linear_proj .*\), or drop " + flag)
+
+
+def test_every_adapter_flag_given_is_named():
+    assert_one_line_error(lambda: _parse("--lora-dropout", "0.1", "--lora-r", "4"),
+                          "^--lora-r, --lora-dropout given without --lora-target-modules")
+
+
+def test_adapter_flags_with_target_modules_make_the_config(tmp_path):
+    for name in ("model.json", "data.json"):
+        (tmp_path / name).write_text("{}")
+    targets = ["--lora-target-modules", "linear_qkv", "linear_in"]
+    args = _parse(*targets, "--lora-r", "4", "--lora-alpha", "2", "--lora-dropout", "0.1", "--lora-load",
+                  "x.safetensors", folder=tmp_path)
+    assert lora.config_from_args(args) == lora.LoRAConfig(4, 2.0, ("linear_qkv", "linear_in"), 0.1)
+    assert args.lora_load == "x.safetensors"
+    defaults = lora.LoRAConfig(targets=("linear_qkv", "linear_in"))
+    assert lora.config_from_args(_parse(*targets, folder=tmp_path)) == defaults
+    assert lora.config_from_args(_parse(folder=tmp_path)) is None
 
 
 def test_frozen_base_in_bf16_leaves_the_bf16_autocast_output_unchanged(parallel_1proc):

@@ -85,7 +85,7 @@ def test_adapter_only_checkpoint_resumes_exactly(parallel_1proc, configs, tmp_pa
 
 def test_lora_configuration_errors(parallel_1proc, configs, tmp_path):
     assert_one_line_error(lambda: run_grpo(grpo_argv(*configs, iters=0, extra=["--lora-load", "x.safetensors"])),
-                          "--lora-load needs --lora-target-modules")
+                          "--lora-load given without --lora-target-modules: add --lora-target-modules")
     ckpt = str(tmp_path / "ckpt")
     run_grpo(grpo_argv(*configs, iters=1, extra=LORA + ["--save", ckpt]))
     assert_one_line_error(lambda: run_grpo(grpo_argv(*configs, iters=2, extra=LORA[:-1] + ["8", "--load", ckpt])),

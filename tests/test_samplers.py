@@ -1,4 +1,5 @@
-"""Sampler steps: Gaussian log-probs, mean/std formulas, recompute parity, CPS coefficients."""
+"""Sampler steps: Gaussian log-probs, mean/std formulas, recompute parity, CPS coefficients and
+Flow-GRPO's CPS log-prob."""
 import math
 
 import pytest
@@ -7,10 +8,12 @@ import torch
 from mm_grpo.rollout import SAMPLERS, get_sampler, ode_step, sigma_schedule
 from tests.utils import assert_one_line_error
 
-pytestmark = pytest.mark.env_independent  # runs no Megatron / transformers / diffusers code (tests/env_split.py)
 
 SDE_SAMPLERS = ["dance_sde", "flow_sde", "cps"]
+GAUSSIAN_SAMPLERS = ["dance_sde", "flow_sde"]  # cps scores with Flow-GRPO's constant-free squared error
 B, S, C = 3, 8, 4
+# cps_step computes in float32: its values against a float64 transcription agree to float32 rounding
+FLOAT32_ATOL, FLOAT32_RTOL = 1e-6, 1e-6
 
 
 def _inputs(dtype, seed=0):
@@ -49,7 +52,7 @@ def test_sigma_schedule_matches_shift_formula():
     torch.testing.assert_close(sigma_schedule(1, 1.0), torch.tensor([1.0, 0.0]))
 
 
-@pytest.mark.parametrize("name", SDE_SAMPLERS)
+@pytest.mark.parametrize("name", GAUSSIAN_SAMPLERS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_log_prob_is_gaussian_density_of_drawn_step(name, dtype):
     sigmas = sigma_schedule(16, 3.0)
@@ -142,6 +145,59 @@ def test_cps_preserves_coefficients():
             assert c_data == pytest.approx(1 - s_next, abs=1e-6)
             assert c_x1**2 + c_eps**2 == pytest.approx(s_next**2, abs=1e-6)
             assert c_eps == pytest.approx(s_next * math.sin(a * math.pi / 2), abs=1e-6)
+
+
+def _flow_grpo_cps(x, v, sigma, sigma_prev, noise_level, variance_noise=None, prev_sample=None):
+    """Flow-GRPO's cps branch (yifan123/flow_grpo, flow_grpo/diffusers_patch/sd3_sde_with_logprob.py,
+    sde_step_with_logprob, sde_type "cps"), transcribed in float64: (prev_sample, log_prob, mean)."""
+    std_dev_t = sigma_prev * math.sin(noise_level * math.pi / 2)
+    pred_original_sample = x - sigma * v
+    noise_estimate = x + v * (1 - sigma)
+    prev_sample_mean = (pred_original_sample * (1 - sigma_prev)
+                        + noise_estimate * math.sqrt(sigma_prev**2 - std_dev_t**2))
+    if prev_sample is None:
+        prev_sample = prev_sample_mean + std_dev_t * variance_noise
+    log_prob = -((prev_sample - prev_sample_mean) ** 2)  # every constant removed
+    return prev_sample, log_prob.mean(dim=tuple(range(1, log_prob.ndim))), prev_sample_mean
+
+
+@pytest.mark.parametrize("noise_level", [0.3, 0.7, 1.0])
+def test_cps_equals_flow_grpo_over_a_shifted_schedule(noise_level):
+    """Mean, drawn sample and log-prob of every step but the noiseless last against the float64
+    transcription, on the rollout path (eps) and the training path (x_next, a moved policy)."""
+    sigmas = sigma_schedule(16, 3.0)
+    x, v, eps = _inputs(torch.float32, seed=7)
+    step = get_sampler("cps", noise_level=noise_level)
+    for i in range(15):
+        s, s_next = sigmas[i].item(), sigmas[i + 1].item()
+        out = step(x, v, sigmas[i], sigmas[i + 1], eps=eps)
+        sample, log_prob, mean = _flow_grpo_cps(x.double(), v.double(), s, s_next, noise_level, eps.double())
+        torch.testing.assert_close(out.mean.double(), mean, rtol=0, atol=FLOAT32_ATOL)
+        torch.testing.assert_close(out.prev_sample.double(), sample, rtol=0, atol=FLOAT32_ATOL)
+        torch.testing.assert_close(out.log_prob.double(), log_prob, rtol=FLOAT32_RTOL, atol=FLOAT32_ATOL)
+        moved = v + 0.1 * eps
+        trained = step(x, moved, sigmas[i], sigmas[i + 1], x_next=out.prev_sample)
+        _, log_prob, _ = _flow_grpo_cps(x.double(), moved.double(), s, s_next, noise_level,
+                                        prev_sample=out.prev_sample.double())
+        torch.testing.assert_close(trained.log_prob.double(), log_prob, rtol=FLOAT32_RTOL, atol=FLOAT32_ATOL)
+
+
+def test_cps_log_ratio_is_not_scaled_by_one_over_two_std_squared():
+    """Flow-GRPO's clip ranges for cps act on differences of -|x' - mu|^2: a Gaussian log-ratio
+    would be those divided by 2 std^2, 3 times larger at step 11 (std 0.41) and 36 times at step 14
+    (std 0.12)."""
+    sigmas = sigma_schedule(16, 3.0)
+    x, v, eps = _inputs(torch.float32, seed=8)
+    step = get_sampler("cps", noise_level=0.5)
+    for i in (11, 14):
+        old = step(x, v, sigmas[i], sigmas[i + 1], eps=eps)
+        new = step(x, v + 0.01 * eps, sigmas[i], sigmas[i + 1], x_next=old.prev_sample)
+        x_next, mu_old, mu_new = old.prev_sample.double(), old.mean.double(), new.mean.double()
+        squared_error_change = ((x_next - mu_old) ** 2).mean(dim=(1, 2)) - ((x_next - mu_new) ** 2).mean(dim=(1, 2))
+        log_ratio = (new.log_prob - old.log_prob).double()
+        torch.testing.assert_close(log_ratio, squared_error_change, rtol=1e-4, atol=1e-9)
+        gaussian = squared_error_change / (2 * old.std.double() ** 2)
+        assert not torch.allclose(log_ratio, gaussian, rtol=0.5)
 
 
 def test_cps_into_zero_is_deterministic():

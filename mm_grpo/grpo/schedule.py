@@ -31,7 +31,8 @@ from mm_grpo.grpo.timesteps import (SlidingWindow, branch_window, dance_grpo_tim
                                     window_timesteps)
 from mm_grpo.parallel.pipeline import PER_SAMPLE_CONDITIONING, make_velocity_fn
 from mm_grpo.parallel.state import dp_mean, dp_reduce
-from mm_grpo.rollout import SAMPLERS, SharedPrefix, get_sampler, rollout, sde_steps, sigma_schedule
+from mm_grpo.rollout import (CONSTANT_FREE_LOG_PROB, SAMPLERS, SharedPrefix, get_sampler, rollout, sde_steps,
+                             sigma_schedule)
 from mm_grpo.seeding import GRPOStream, seeded_generator
 from mm_grpo.settings import setting
 
@@ -194,6 +195,9 @@ class GRPOSettings:
                              "shared ODE prefix")
         if self.ratio_norm and self.policy_loss != "ppo":
             raise ValueError("--ratio-norm normalises PPO's importance ratio: it needs --policy-loss ppo")
+        if self.ratio_norm and self.sampler in CONSTANT_FREE_LOG_PROB:
+            raise ValueError(f"--ratio-norm removes the bias of a Gaussian step's log-ratio; {self.sampler}'s log-prob "
+                             "is Flow-GRPO's constant-free squared error: use --sampler dance_sde or flow_sde")
         if self.step_reweight and self.policy_loss != "ppo":
             raise ValueError("--step-reweight weighs PPO's per-step terms: it needs --policy-loss ppo")
         if not self.nft_beta > 0:

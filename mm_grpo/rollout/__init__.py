@@ -1,7 +1,9 @@
 """Sampling side of GRPO: sigma schedule, sampler steps with log-probs, batched rollout."""
 from mm_grpo.rollout.samplers import (
+    CONSTANT_FREE_LOG_PROB,
     SAMPLERS,
     StepOutput,
+    cps_log_prob,
     cps_step,
     dance_sde_step,
     flow_sde_step,
@@ -14,12 +16,14 @@ from mm_grpo.rollout.schedule import sigma_schedule
 from mm_grpo.rollout.trajectory import SharedPrefix, Trajectory, Transition, check_window, rollout
 
 __all__ = [
+    "CONSTANT_FREE_LOG_PROB",
     "SAMPLERS",
     "SharedPrefix",
     "StepOutput",
     "Trajectory",
     "Transition",
     "check_window",
+    "cps_log_prob",
     "cps_step",
     "dance_sde_step",
     "flow_sde_step",

@@ -8,6 +8,8 @@ and the PPO ratio starts at exactly 1.
 
 All arithmetic is float32 whatever the dtype of x and v (Flow-GRPO: "bf16 can overflow");
 `prev_sample` comes back in the dtype of x and the log-prob scores that very tensor.
+dance_sde and flow_sde score it with the Gaussian density; cps with Flow-GRPO's constant-free
+squared error (`cps_log_prob`), as its authors' code does.
 """
 import dataclasses
 import functools
@@ -38,6 +40,17 @@ def gaussian_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tenso
     The sample is detached, as in DanceGRPO / Flow-GRPO: gradients flow through the mean only.
     """
     log_prob = -((sample.detach().float() - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
+    return log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
+
+
+def cps_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """-(sample - mean)^2 averaged over all non-batch dims, in float32 -> [B]; `std` is not read.
+
+    Flow-GRPO's CPS log-prob (yifan123/flow_grpo, flow_grpo/diffusers_patch/sd3_sde_with_logprob.py,
+    sde_type "cps"): every constant removed, 1/(2 std^2) included, so its log-ratios and the clip
+    ranges tuned on them carry over. The sample is detached, as in `gaussian_log_prob`.
+    """
+    log_prob = -((sample.detach().float() - mean) ** 2)
     return log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
 
 
@@ -73,7 +86,7 @@ def _deterministic(x, mean, std, x0_hat, x_next) -> StepOutput:
     return StepOutput(prev, mean, std, None, x0_hat)
 
 
-def _stochastic(x, mean, std, x0_hat, eps, x_next) -> StepOutput:
+def _stochastic(x, mean, std, x0_hat, eps, x_next, log_prob=gaussian_log_prob) -> StepOutput:
     positive = std > 0
     if not bool(positive.all()):
         if bool((std == 0).all()):  # e.g. cps into sigma = 0: no noise, no density
@@ -87,7 +100,7 @@ def _stochastic(x, mean, std, x0_hat, eps, x_next) -> StepOutput:
         if eps is None:
             raise ValueError("a stochastic sampler step needs eps (rollout) or x_next (training)")
         x_next = (mean + std * eps.float()).to(x.dtype)
-    return StepOutput(x_next, mean, std, gaussian_log_prob(x_next, mean, std), x0_hat)
+    return StepOutput(x_next, mean, std, log_prob(x_next, mean, std), x0_hat)
 
 
 def dance_sde_step(x, v, sigma, sigma_next, *, eps=None, x_next=None, noise_level: float = 0.3) -> StepOutput:
@@ -122,7 +135,8 @@ def cps_step(x, v, sigma, sigma_next, *, eps=None, x_next=None, noise_level: flo
     """Coefficient-preserving step: the noise in x' keeps total variance sigma_next^2.
 
     x' = (1 - sigma_next) x0_hat + sqrt(sigma_next^2 - std^2) x1_hat + std * eps with
-    std = sigma_next * sin(a pi / 2). Into sigma_next = 0 the step has no noise (log_prob None).
+    std = sigma_next * sin(a pi / 2), scored by Flow-GRPO's constant-free `cps_log_prob`.
+    Into sigma_next = 0 the step has no noise (log_prob None).
     """
     _check_noise_level("cps", noise_level)
     x32, v32, s, s_next = _prepare(x, v, sigma, sigma_next, eps, x_next)
@@ -131,7 +145,7 @@ def cps_step(x, v, sigma, sigma_next, *, eps=None, x_next=None, noise_level: flo
     x1_hat = x32 + (1 - s) * v32
     # clamp: at a = 1 rounding could leave a tiny negative under the root
     mean = (1 - s_next) * x0_hat + torch.sqrt((s_next**2 - std**2).clamp_min(0)) * x1_hat
-    return _stochastic(x, mean, std, x0_hat, eps, x_next)
+    return _stochastic(x, mean, std, x0_hat, eps, x_next, log_prob=cps_log_prob)
 
 
 def ode_step(x, v, sigma, sigma_next, *, eps=None, x_next=None) -> StepOutput:
@@ -146,6 +160,8 @@ def ode_step(x, v, sigma, sigma_next, *, eps=None, x_next=None) -> StepOutput:
 
 SAMPLERS = {"dance_sde": dance_sde_step, "flow_sde": flow_sde_step, "cps": cps_step, "ode": ode_step}
 NOISELESS_LAST_STEP = ("cps",)  # its step into sigma = 0 draws no noise: no log-prob to train
+# log-probs without Gaussian's 1/(2 std^2) and constants: a log-ratio is not that of a Gaussian step
+CONSTANT_FREE_LOG_PROB = ("cps",)
 
 
 def sde_steps(name: str, num_steps: int) -> int:

@@ -8,7 +8,7 @@ import argparse
 
 from mm_grpo.grpo.schedule import GRPOSettings
 from mm_grpo.jsonfile import load_json
-from mm_grpo.models.flux.lora import add_lora_args
+from mm_grpo.models.flux.lora import add_lora_args, check_lora_args
 from mm_grpo.settings import add_setting_args
 
 
@@ -105,6 +105,7 @@ def check_counts(args):
 def parse_args(argv=None, add_args=_add_grpo_args):
     args = build_parser(add_args).parse_args(argv)
     check_counts(args)
+    check_lora_args(args)
     args.mm_model_config = load_json(args.mm_model, "--mm-model")
     args.mm_data_config = load_json(args.mm_data, "--mm-data")
     return args
