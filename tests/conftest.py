@@ -7,7 +7,8 @@ import os
 # worker. Set before torch is imported; the processes the tests start inherit it.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
-from tests.testbed import adapt_megatron_first, env_independent_deselected, has_megatron_training
+from tests.env_split import default_env_only
+from tests.testbed import adapt_megatron_first, default_only_left_out, has_megatron_training
 
 if has_megatron_training():  # MindSpeed-MM's environment: MindSpeed's adaptor before Megatron, as on NPU
     adapt_megatron_first()
@@ -42,32 +43,34 @@ def bounded_threads():
 # The two environments split the suite (docs/running.md#tests):
 # - `mindspeed_mm` tests run the real MindSpeed-MM code (tests/testbed.py) and need MindSpeed-MM's
 #   environment (Megatron-LM's tree with `megatron.training`): deselected in the default one.
-# - `env_independent` modules execute no code of the packages whose versions differ between the
-#   environments (Megatron, MindSpeed, MindSpeed-MM, transformers, diffusers; measured by
-#   `python -m tests.env_split`): they run in the default one only, unless MM_GRPO_TEST_ALL=1.
+# - The tests listed in tests/default_env_only.txt run in the default one only, unless
+#   MM_GRPO_TEST_ALL=1: every line they run in MindSpeed-MM's environment, the tests kept there run
+#   too (measured there: `python -m tests.env_split`; the listed torchrun checks: worker.py).
 # Deselected, not skipped: the test command runs both environments, so nothing is skipped in CI.
-def deselected_mark():
+def deselected(item):
     if not has_megatron_training():
-        return "mindspeed_mm"
-    return "env_independent" if env_independent_deselected() else None
+        return "mindspeed_mm" in item.keywords
+    if not default_only_left_out():
+        return False
+    return item.nodeid in default_env_only()
 
 
 def pytest_collection_modifyitems(config, items):
-    mark = deselected_mark()
-    if mark is None:
-        return
-    keep = [i for i in items if mark not in i.keywords]
-    if len(keep) != len(items):
-        config.hook.pytest_deselected(items=[i for i in items if mark in i.keywords])
-        items[:] = keep
+    left_out = [i for i in items if deselected(i)]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [i for i in items if not deselected(i)]
 
 
 def pytest_report_header(config):
-    from tests.testbed import TESTBED, has_megatron_training
+    from tests.testbed import TESTBED
     import megatron.core
     env = "MindSpeed-MM (Megatron-LM tree)" if has_megatron_training() else "megatron-core wheel"
-    why = {"mindspeed_mm": "tests marked mindspeed_mm are deselected here: MM_GRPO_ENV=mindspeed-mm bash shell/run_tests.sh",
-           "env_independent": "modules marked env_independent run in the default environment only (MM_GRPO_TEST_ALL=1 runs them here)"}
-    mark = deselected_mark()
-    return [f"megatron: {megatron.core.__file__} ({env}); MindSpeed-MM testbed: {TESTBED}",
-            *([why[mark]] if mark else [])]
+    if not has_megatron_training():
+        why = "tests marked mindspeed_mm are deselected here: MM_GRPO_ENV=mindspeed-mm bash shell/run_tests.sh"
+    elif default_only_left_out():
+        why = ("the tests and torchrun checks listed in tests/default_env_only.txt run in the default environment "
+               "only (MM_GRPO_TEST_ALL=1 runs them here)")
+    else:
+        why = None
+    return [f"megatron: {megatron.core.__file__} ({env}); MindSpeed-MM testbed: {TESTBED}", *([why] if why else [])]

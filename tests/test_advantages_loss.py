@@ -9,8 +9,6 @@ from mm_grpo.grpo import (NonFiniteRewardError, awm_loss, group_advantages, grpo
                           nft_loss, optimality_probability)
 from tests.utils import assert_one_line_error
 
-pytestmark = pytest.mark.env_independent  # runs no Megatron / transformers / diffusers code (tests/env_split.py)
-
 
 def test_hand_computed_advantages():
     rewards = torch.tensor([1.0, 10.0, 2.0, 10.0, 3.0, 13.0])

@@ -11,8 +11,6 @@ from mm_grpo.data.shapes import CaptionSampler, PlacedObject, PromptSpec, Scene,
 from mm_grpo.rewards import CombinedReward, build_reward, compositional
 from mm_grpo.rewards.compositional import _components, atom_names, breakdown, check, detect, reference_levels, score
 
-pytestmark = pytest.mark.env_independent  # runs no Megatron / transformers / diffusers code (tests/env_split.py)
-
 
 def _pixels(*scenes):
     return torch.stack([torch.from_numpy(np.array(render(s))) for s in scenes]).permute(0, 3, 1, 2).float() / 255

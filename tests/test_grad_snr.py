@@ -4,8 +4,6 @@ import torch
 
 from bench.grad_snr import report, t_chance
 
-pytestmark = pytest.mark.env_independent  # runs no Megatron / transformers / diffusers code (tests/env_split.py)
-
 
 def test_t_chance_matches_known_tail_probabilities():
     assert t_chance(15) == pytest.approx(0.00896, abs=2e-4)  # P(|T_15| > 3)

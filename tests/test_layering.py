@@ -5,7 +5,6 @@ import pathlib
 
 import pytest
 
-pytestmark = pytest.mark.env_independent  # runs no Megatron / transformers / diffusers code (tests/env_split.py)
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mm_grpo"
 # package -> the mm_grpo packages it may import (function-level imports included)

@@ -10,8 +10,6 @@ from mm_grpo import kernels
 from mm_grpo.parallel import ulysses
 from mm_grpo.parallel.ulysses import SequenceShard
 
-pytestmark = pytest.mark.env_independent  # runs no Megatron / transformers / diffusers code (tests/env_split.py)
-
 
 @pytest.mark.parametrize("n_txt,n_img,size", [(7, 15, 4), (8, 16, 4), (9, 15, 2), (5, 12, 1), (1, 3, 4)])
 def test_pieces_cover_the_sequence_and_the_mask_marks_the_padding(n_txt, n_img, size):

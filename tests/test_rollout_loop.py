@@ -7,7 +7,6 @@ from mm_grpo.grpo import (SlidingWindow, branch_window, dance_grpo_timesteps, fl
 from mm_grpo.rollout import get_sampler, ode_step, rollout, sigma_schedule
 from tests.utils import assert_one_line_error
 
-pytestmark = pytest.mark.env_independent  # runs no Megatron / transformers / diffusers code (tests/env_split.py)
 
 B, N, S, C = 4, 6, 8, 4
 _W = torch.linspace(-1.0, 1.0, S * C).view(S, C)

@@ -5,7 +5,6 @@ import torch
 
 from mm_grpo.rollout import SharedPrefix, get_sampler, rollout, sigma_schedule
 
-pytestmark = pytest.mark.env_independent  # runs no Megatron / transformers / diffusers code (tests/env_split.py)
 
 N, WINDOW = 8, (2, 4)
 

@@ -15,7 +15,7 @@ from tests.testbed import has_megatron_training
 # It runs both environments itself: once is enough, from the default one.
 pytestmark = pytest.mark.skipif(has_megatron_training(), reason="runs both environments itself, from the default one")
 
-ONE_TEST = "test_the_bound_sees_groups_that_are_not_destroyed"  # tests/test_process_groups.py, in both
+ONE_TEST = "test_cpu_platform_contract"  # tests/test_platform.py, in both (tests.env_split.ALWAYS_BOTH)
 
 
 def _run_tests(tmp_path, *pytest_args):

@@ -8,8 +8,6 @@ from mm_grpo.data.image_captions import ImageCaptionDataset
 from mm_grpo.data.shapes import (CaptionSampler, ObjectSpec, PromptSpec, ShapesConfig, enumerate_prompts,
                                  generate_dataset, make_example, relation_holds, sample_scene, split_prompts)
 
-pytestmark = pytest.mark.env_independent  # runs no Megatron / transformers / diffusers code (tests/env_split.py)
-
 
 def test_every_caption_of_the_grammar_parses_back():
     families = enumerate_prompts()

@@ -1,9 +1,5 @@
 """TrainLogger: training lines every log interval, evaluations always, the bar counts iterations only."""
-import pytest
-
 from mm_grpo.training.logging_utils import TrainLogger
-
-pytestmark = pytest.mark.env_independent  # runs no Megatron / transformers / diffusers code (tests/env_split.py)
 
 
 def test_evaluations_are_printed_off_the_log_interval_and_do_not_advance_the_bar(tmp_path, capsys):

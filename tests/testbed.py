@@ -166,9 +166,9 @@ def has_megatron_training() -> bool:
     return importlib.util.find_spec("megatron.training") is not None
 
 
-def env_independent_deselected() -> bool:
-    """Whether tests and torchrun checks marked env_independent are left out here: in MindSpeed-MM's
-    environment, unless MM_GRPO_TEST_ALL=1 (docs/running.md#tests)."""
+def default_only_left_out() -> bool:
+    """Whether the tests and torchrun checks listed in tests/default_env_only.txt are left out here:
+    in MindSpeed-MM's environment, unless MM_GRPO_TEST_ALL=1 (docs/running.md#tests)."""
     return has_megatron_training() and os.environ.get("MM_GRPO_TEST_ALL") != "1"
 
 

@@ -29,11 +29,6 @@ LORA_LAYOUTS = {"tp2pp2": LAYOUTS["tp2"] + LAYOUTS["pp2"], "dp2": ["--use-distri
 NFT = ["--policy-loss", "nft", "--sampler", "ode", "--ema-decay", "0.5", "--ema-decay-ramp", "0.5"]
 GUARD = ["--ratio-norm", "--step-reweight", "--updates-per-rollout", "2", "--clip-range", "0.2"]
 VARIANTS = {"ppo": [], "awm": AWM, "branch": BRANCH, "nft": NFT, "guard": GUARD, "lora": LORA}
-# Their checks run in the default environment only: each differs from PPO at its layout in mm-grpo's
-# own objective and sampler code, and ran no Megatron line the unmarked checks did not (python -m
-# tests.env_split). NFT (an EMA copy of the model) and LoRA (adapters inside Megatron's parallel
-# layers, a frozen base under its DDP) drive Megatron differently and run in both.
-ENV_INDEPENDENT_VARIANTS = ("awm", "branch", "guard")
 # Group advantages gathered over 2 ranks: unequal row counts, groups spanning both ranks.
 ADVANTAGE_REWARDS = [0.3, 0.9, 0.1, 0.4, 0.8, 0.2, 0.7, 0.6]
 ADVANTAGE_PROMPTS = ["p0", "p1", "p0", "p1", "p0", "p1", "p0", "p1"]
@@ -102,42 +97,42 @@ def grpo_dp2():
     return _run_layout("dp2")
 
 
-@check(2, env_independent=True)
+@check(2)
 def grpo_awm_tp2():
     return _run_layout("awm_tp2")
 
 
-@check(2, env_independent=True)
+@check(2)
 def grpo_awm_sp2():
     return _run_layout("awm_sp2")
 
 
-@check(2, env_independent=True)
+@check(2)
 def grpo_awm_pp2():
     return _run_layout("awm_pp2")
 
 
-@check(2, env_independent=True)
+@check(2)
 def grpo_awm_dp2():
     return _run_layout("awm_dp2")
 
 
-@check(2, env_independent=True)
+@check(2)
 def grpo_branch_tp2():
     return _run_layout("branch_tp2")
 
 
-@check(2, env_independent=True)
+@check(2)
 def grpo_branch_sp2():
     return _run_layout("branch_sp2")
 
 
-@check(2, env_independent=True)
+@check(2)
 def grpo_branch_pp2():
     return _run_layout("branch_pp2")
 
 
-@check(2, env_independent=True)
+@check(2)
 def grpo_branch_dp2():
     return _run_layout("branch_dp2")
 
@@ -162,22 +157,22 @@ def grpo_nft_dp2():
     return _run_layout("nft_dp2")
 
 
-@check(2, env_independent=True)
+@check(2)
 def grpo_guard_tp2():
     return _run_layout("guard_tp2")
 
 
-@check(2, env_independent=True)
+@check(2)
 def grpo_guard_sp2():
     return _run_layout("guard_sp2")
 
 
-@check(2, env_independent=True)
+@check(2)
 def grpo_guard_pp2():
     return _run_layout("guard_pp2")
 
 
-@check(2, env_independent=True)
+@check(2)
 def grpo_guard_dp2():
     return _run_layout("guard_dp2")
 

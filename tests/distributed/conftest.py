@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from tests.env_split import record_check_read
 from tests.testbed import has_megatron_training, subprocess_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -64,6 +65,7 @@ def check_result(results, name):
     if name not in results:
         pytest.fail(f"check {name} did not run (see the worker's log)")
     res = results[name]
+    record_check_read(name, res.get("seconds", 0.0))
     if not res["ok"]:
         pytest.fail(f"check {name} failed:\n{res['error']}")
     return res["metrics"]

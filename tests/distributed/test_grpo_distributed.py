@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mm_grpo.grpo import group_advantages
-from tests.distributed.checks_grpo import ADVANTAGE_PROMPTS, ADVANTAGE_REWARDS, ENV_INDEPENDENT_VARIANTS, VARIANTS
+from tests.distributed.checks_grpo import ADVANTAGE_PROMPTS, ADVANTAGE_REWARDS, VARIANTS
 from tests.distributed.conftest import check_result
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.grpo_helpers import ADAM_LINEAR, SMOOTH_REWARD, grpo_argv, run_grpo, write_configs
@@ -37,18 +37,12 @@ def single_process(parallel_1proc, tiny_pipeline_dir, tmp_path_factory):
     return result
 
 
-def _layouts():
-    """Every variant at TP2, SP2, PP2 and DP2, and LoRA at TP2 x PP2; the variants whose checks are
-    env_independent are marked so (checks_grpo.ENV_INDEPENDENT_VARIANTS)."""
-    for variant in VARIANTS:
-        prefix = "" if variant == "ppo" else variant + "_"
-        marks = [pytest.mark.env_independent] if variant in ENV_INDEPENDENT_VARIANTS else []
-        for layout in ("tp2", "sp2", "pp2", "dp2"):
-            yield pytest.param(prefix + layout, marks=marks, id=prefix + layout)
-    yield pytest.param("lora_tp2pp2", id="lora_tp2pp2")
+# Every variant at TP2, SP2, PP2 and DP2, and LoRA at TP2 x PP2.
+CHECKED_LAYOUTS = [("" if variant == "ppo" else variant + "_") + layout
+                   for variant in VARIANTS for layout in ("tp2", "sp2", "pp2", "dp2")] + ["lora_tp2pp2"]
 
 
-@pytest.mark.parametrize("layout", _layouts())
+@pytest.mark.parametrize("layout", CHECKED_LAYOUTS)
 def test_two_grpo_iterations_match_single_process(torchrun, grpo_out_dir, single_process, layout):
     check_result(torchrun(4 if layout.endswith("tp2pp2") else 2), f"grpo_{layout}")
     result = torch.load(os.path.join(grpo_out_dir, f"grpo_{layout}.pt"), weights_only=False)

@@ -20,7 +20,8 @@ import traceback
 import mm_grpo  # noqa: F401  (platform adaptor first)
 import torch.distributed as dist
 
-from tests.testbed import env_independent_deselected, has_megatron_training
+from tests.env_split import CHECK, default_env_only
+from tests.testbed import default_only_left_out, has_megatron_training
 from tests.threads import thread_count, threads_over_bound
 
 # Modules whose import registers checks.
@@ -37,12 +38,10 @@ if has_megatron_training():  # MindSpeed-MM's environment
 _CHECKS = []
 
 
-def check(*world_sizes, env_independent=False):
-    """Registers a check for these world sizes. env_independent: it runs no Megatron line that the
-    unmarked checks do not run (measured: python -m tests.env_split), so MindSpeed-MM's environment
-    leaves it out, as it does the tests marked so (docs/running.md#tests)."""
+def check(*world_sizes):
+    """Registers a check for these world sizes. MindSpeed-MM's environment leaves out those listed in
+    tests/default_env_only.txt as `check:NAME` (measured: python -m tests.env_split)."""
     def register(fn):
-        fn.env_independent = env_independent
         _CHECKS.append((fn, world_sizes))
         return fn
     return register
@@ -63,7 +62,7 @@ def _write(results, out_path):
 def _measure_as(name):
     """Under coverage (python -m tests.env_split), the lines the next check runs count as its own."""
     if "coverage" in sys.modules and (cov := sys.modules["coverage"].Coverage.current()) is not None:
-        cov.switch_context(f"check:{name}")
+        cov.switch_context(CHECK + name)
 
 
 def main(out_path):
@@ -78,9 +77,9 @@ def main(out_path):
     world, rank = dist.get_world_size(), dist.get_rank()
     results = {}
     only = os.environ.get("MM_GRPO_CHECKS")
-    left_out = env_independent_deselected()
+    left_out = default_env_only() if default_only_left_out() else frozenset()
     for fn, sizes in checks:
-        if world not in sizes or (only and not re.search(only, fn.__name__)) or (left_out and fn.env_independent):
+        if world not in sizes or (only and not re.search(only, fn.__name__)) or CHECK + fn.__name__ in left_out:
             continue
         start = time.time()
         _measure_as(fn.__name__)
