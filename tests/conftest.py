@@ -7,7 +7,7 @@ import os
 # worker. Set before torch is imported; the processes the tests start inherit it.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
-from tests.env_split import default_env_only
+from tests.env_split import left_out_here
 from tests.testbed import adapt_megatron_first, default_only_left_out, has_megatron_training
 
 if has_megatron_training():  # MindSpeed-MM's environment: MindSpeed's adaptor before Megatron, as on NPU
@@ -50,16 +50,16 @@ def bounded_threads():
 def deselected(item):
     if not has_megatron_training():
         return "mindspeed_mm" in item.keywords
-    if not default_only_left_out():
-        return False
-    return item.nodeid in default_env_only()
+    return item.nodeid in left_out_here()
 
 
 def pytest_collection_modifyitems(config, items):
-    left_out = [i for i in items if deselected(i)]
+    keep, left_out = [], []
+    for item in items:
+        (left_out if deselected(item) else keep).append(item)
     if left_out:
         config.hook.pytest_deselected(items=left_out)
-        items[:] = [i for i in items if not deselected(i)]
+        items[:] = keep
 
 
 def pytest_report_header(config):

@@ -61,6 +61,13 @@ def default_env_only() -> frozenset:
         return frozenset(line.strip() for line in f if line.strip() and not line.startswith("#"))
 
 
+def left_out_here() -> frozenset:
+    """The entries of DEFAULT_ONLY this environment leaves out: all of them in MindSpeed-MM's (unless
+    MM_GRPO_TEST_ALL=1), none in the default one."""
+    from tests.testbed import default_only_left_out
+    return default_env_only() if default_only_left_out() else frozenset()
+
+
 # --- the pytest plugin (-p tests.env_split) ---------------------------------------------------
 
 _failed = set()
@@ -280,12 +287,11 @@ class Split:
         cost = {t: took + sum(reads.get(t, {}).values()) for t, took in seconds.items()}
         candidates = sorted(set(seconds) - self.fixed)
         if listed is None:
-            covered = set().union(*(lines[t] for t in self.fixed),
-                                  *(checks[c] for c in checks if not any(c in r for r in reads.values())))
+            read = set().union(*reads.values())  # the checks no test reads always run
+            covered = set().union(*(lines[t] for t in self.fixed), *(checks[c] for c in checks if c not in read))
             self.kept = set(greedy_cover(candidates, lines, cost, covered))
             self.listed = [t for t in candidates if t not in self.kept]
-            read_by_kept = {c for t in seconds if t not in self.listed for c in reads.get(t, {})}
-            self.skipped_checks = {c for r in reads.values() for c in r} - read_by_kept
+            self.skipped_checks = read - {c for t in seconds if t not in self.listed for c in reads.get(t, {})}
         else:
             self.listed = [t for t in candidates if t in listed]
             self.kept = set(candidates) - set(self.listed)

@@ -20,8 +20,8 @@ import traceback
 import mm_grpo  # noqa: F401  (platform adaptor first)
 import torch.distributed as dist
 
-from tests.env_split import CHECK, default_env_only
-from tests.testbed import default_only_left_out, has_megatron_training
+from tests.env_split import CHECK, left_out_here
+from tests.testbed import has_megatron_training
 from tests.threads import thread_count, threads_over_bound
 
 # Modules whose import registers checks.
@@ -77,7 +77,7 @@ def main(out_path):
     world, rank = dist.get_world_size(), dist.get_rank()
     results = {}
     only = os.environ.get("MM_GRPO_CHECKS")
-    left_out = default_env_only() if default_only_left_out() else frozenset()
+    left_out = left_out_here()
     for fn, sizes in checks:
         if world not in sizes or (only and not re.search(only, fn.__name__)) or CHECK + fn.__name__ in left_out:
             continue
