@@ -78,9 +78,20 @@ TORCH_KERNELS = types.SimpleNamespace(
 
 
 # --- NPU fused kernels (torch_npu) ---------------------------------------------------
+# The calls keep to the kernels' documented contracts (docs/adaptor.md, "Fused NPU kernels:
+# contracts"), which tests/test_kernels.py checks on CPU against references written from them.
+ROTARY_MUL_MAX_BN = 1000  # npu_rotary_mul, rotary_mode="interleave": B * N < 1000
+
+
 def _npu_kernels(torch_npu):
     def attention(q, k, v, key_mask=None):
         heads, head_dim = q.shape[1], q.shape[-1]
+        device = q.device.type
+        if torch.is_autocast_enabled(device):
+            # The kernel takes q, k, v of one dtype, and autocast may not cast them for it as it
+            # does for torch's attention: run it in the autocast dtype, as the torch version runs.
+            dtype = torch.get_autocast_dtype(device)
+            q, k, v = (t.to(dtype) for t in (q, k, v))
         # npu_fusion_attention's mask is the opposite of torch's: True = masked out, [S_q, S_k].
         mask = None if key_mask is None else (~key_mask).expand(q.shape[2], -1).contiguous()
         return torch_npu.npu_fusion_attention(
@@ -88,17 +99,19 @@ def _npu_kernels(torch_npu):
             scale=1.0 / math.sqrt(head_dim), keep_prob=1.0)[0]
 
     def rms_norm(x, weight, eps):
-        if weight.dtype in (torch.float16, torch.bfloat16):
-            x = x.to(weight.dtype)
-        return torch_npu.npu_rms_norm(x, weight, epsilon=eps)[0]
+        # The kernel takes x in the weight's dtype, which is also the dtype diffusers returns.
+        return torch_npu.npu_rms_norm(x.to(weight.dtype), weight, epsilon=eps)[0]
 
     def rope_table(cos, sin):
         return cos[:, None, None, :], sin[:, None, None, :]
 
     def rope(x, table):
-        # npu_rotary_mul with rotary_mode="interleave" rotates adjacent pairs, like FLUX.
+        # rotary_mode="interleave" rotates adjacent pairs, like FLUX. x is [S, B, N, d] (SBND, the
+        # table S11D); a batch with B * N past the kernel's limit goes through in slices of samples.
         cos, sin = table
-        return torch_npu.npu_rotary_mul(x.float(), cos, sin, rotary_mode="interleave").to(x.dtype)
+        slices = x.float().split(max(1, (ROTARY_MUL_MAX_BN - 1) // x.shape[2]), dim=1)
+        out = [torch_npu.npu_rotary_mul(part, cos, sin, rotary_mode="interleave") for part in slices]
+        return (out[0] if len(out) == 1 else torch.cat(out, dim=1)).to(x.dtype)
 
     return types.SimpleNamespace(name="npu", attention=attention, rms_norm=rms_norm, rope_table=rope_table,
                                  rope=rope)

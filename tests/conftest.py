@@ -11,7 +11,7 @@ from tests.env_split import left_out_here
 from tests.testbed import adapt_megatron_first, default_only_left_out, has_megatron_training
 
 if has_megatron_training():  # MindSpeed-MM's environment: MindSpeed's adaptor before Megatron, as on NPU
-    adapt_megatron_first()
+    adapt_megatron_first(argv=[])  # pytest's flags are not MindSpeed's
 
 import pytest
 

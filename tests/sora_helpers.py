@@ -9,11 +9,22 @@ import torch
 from safetensors.torch import save_file
 
 from mm_grpo.models.flux import FluxConfig
+from mm_grpo.models.flux.predictor import MINDSPEED_MM_NAMES
 from tests.testbed import TESTBED
 
 PRETRAIN_SORA = os.path.join(TESTBED, "MindSpeed-MM", "pretrain_sora.py")
 # Megatron's fused kernels that need Apex / Transformer Engine; MindSpeed provides them on NPU.
 NO_FUSIONS = ("--no-rope-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion")
+
+
+def predictor_block(config: FluxConfig) -> dict:
+    """`config` as a MindSpeed-MM user writes the flux block (examples/flux/mindspeed_mm/pretrain_model.json):
+    diffusers' names, with the heads under MindSpeed-MM's (num_heads, head_dim), which its argument
+    validation reads to set Megatron's head count and hidden size."""
+    block = config.to_diffusers_config()
+    for theirs, diffusers in MINDSPEED_MM_NAMES.items():
+        block[theirs] = block.pop(diffusers)
+    return block
 
 
 def write_configs(folder, config: FluxConfig, weights: dict, predictor_extra=None, image_size=(64, 64)):
@@ -27,7 +38,7 @@ def write_configs(folder, config: FluxConfig, weights: dict, predictor_extra=Non
         "diffusion": {"model_id": "wan_flow_match_scheduler", "num_train_timesteps": 1000, "shift": 3.0,
                       "sigma_min": 0.0, "extra_one_step": True},
         "predictor": {"model_id": "flux", "dtype": "fp32", "from_pretrained": path,
-                      **config.to_diffusers_config(), **(predictor_extra or {})},
+                      **predictor_block(config), **(predictor_extra or {})},
     }
     data = {"dataset_param": {"preprocess_parameters": {"max_height": image_size[0], "max_width": image_size[1]}}}
     files = os.path.join(folder, "model.json"), os.path.join(folder, "data.json")
@@ -39,7 +50,9 @@ def write_configs(folder, config: FluxConfig, weights: dict, predictor_extra=Non
 
 def set_megatron_args(model_json, data_json, tp=1, pp=1, cp=1, micro_batch=2, extra=()):
     """Megatron's global arguments as pretrain_sora.py's `pretrain` parses them (MindSpeed's and
-    MindSpeed-MM's argument patches included); the model-parallel groups are the caller's."""
+    MindSpeed-MM's argument patches included): no size flags, MindSpeed-MM's validation takes the
+    sizes from the predictor block, as examples/flux/mindspeed_mm/pretrain_flux.sh has it. The
+    model-parallel groups are the caller's."""
     from mindspeed_mm.configs.config import mm_extra_args_provider  # first: its import patches validate_args
     from megatron.training import arguments
     from megatron.training.global_vars import set_global_variables, unset_global_variables
@@ -47,9 +60,7 @@ def set_megatron_args(model_json, data_json, tp=1, pp=1, cp=1, micro_batch=2, ex
             "--context-parallel-size", str(cp), "--context-parallel-algo", "ulysses_cp_algo",
             "--micro-batch-size", str(micro_batch), "--global-batch-size", str(micro_batch), "--lr", "1e-5",
             "--train-iters", "1", "--no-gradient-accumulation-fusion", "--use-cpu-initialization",
-            "--mm-model", model_json, "--mm-data", data_json, "--num-layers", "1", "--hidden-size", "64",
-            "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
-            "--ckpt-format", "torch", *NO_FUSIONS, *extra]
+            "--mm-model", model_json, "--mm-data", data_json, "--ckpt-format", "torch", *NO_FUSIONS, *extra]
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # MindSpeed-MM's launch scripts export it; its TP / CP check reads it
     saved, sys.argv = sys.argv, argv
     try:

@@ -1,11 +1,14 @@
-"""shell/launch_env.sh on CPU, with a fake Ascend folder (MM_GRPO_ASCEND) holding a fake CANN
-set_env.sh: CANN is sourced before the device is detected, an Ascend machine whose torch_npu
-does not import stops with the import error, and MindSpeed-MM's NPU settings are exported."""
+"""shell/launch_env.sh on CPU, with the stand-in Ascend install (MM_GRPO_ASCEND; tests/testbed.py,
+STANDINS) holding a stand-in of CANN's set_env.sh: CANN is sourced before the device is detected,
+an Ascend machine whose torch_npu does not import stops with the import error, and MindSpeed-MM's
+NPU settings are exported."""
 import os
 import subprocess
 import sys
 
 import pytest
+
+from tests.standins.ascend_install import SOURCED, ascend_install, npu_python
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NPU_SETTINGS = {"ASCEND_SLOG_PRINT_TO_STDOUT": "0", "ASCEND_GLOBAL_LOG_LEVEL": "3", "TASK_QUEUE_ENABLE": "2",
@@ -18,42 +21,14 @@ PROBE = f"""set -euo pipefail
 REPO={REPO}
 source "$REPO/shell/launch_env.sh"
 echo "DEVICE=$DEVICE"
-echo "FAKE_CANN=${{FAKE_CANN:-}}"
+echo "{SOURCED}=${{{SOURCED}:-}}"
 for v in {' '.join(NPU_SETTINGS)} OMP_NUM_THREADS; do echo "$v=${{!v:-}}"; done
 """
 
 
-def fake_ascend(root, set_env="cann", torch_npu=False):
-    """An Ascend folder whose CANN set_env.sh marks that it ran (reading an unset variable, as
-    CANN's does) and, with `torch_npu`, puts an importable torch_npu that sees no NPU on PYTHONPATH."""
-    ascend = root / "Ascend"
-    ascend.mkdir()
-    if set_env:
-        script = ascend / set_env / "set_env.sh"
-        script.parent.mkdir()
-        lines = [f"export FAKE_CANN={set_env}${{SOME_UNSET_CANN_VARIABLE}}"]
-        if torch_npu:
-            package = root / "cann_python" / "torch_npu"
-            package.mkdir(parents=True)
-            (package / "__init__.py").write_text(
-                "class npu:\n    @staticmethod\n    def is_available():\n        return False\n")
-            lines.append(f"export PYTHONPATH={package.parent}${{PYTHONPATH:+:$PYTHONPATH}}")
-        script.write_text("\n".join(lines) + "\n")
-    return ascend
-
-
-def fake_npu_python(root):
-    """A `python` for which torch_npu imports and mm_grpo picks the NPU (no NPU on this machine)."""
-    script = root / "python"
-    script.write_text('#!/bin/bash\ncase "$*" in *get_platform*) echo npu ;; *"import torch_npu"*) exit 0 ;; '
-                      '*) exit 3 ;; esac\n')
-    script.chmod(0o755)
-    return script
-
-
 def launch(ascend, python=sys.executable, command=("bash", "-c", PROBE), **env):
     environ = {k: v for k, v in os.environ.items()
-               if k not in NPU_SETTINGS and k not in ("MM_GRPO_DEVICE", "FAKE_CANN", "OMP_NUM_THREADS")}
+               if k not in NPU_SETTINGS and k not in ("MM_GRPO_DEVICE", SOURCED, "OMP_NUM_THREADS")}
     environ.update(MM_GRPO_ASCEND=str(ascend), MM_GRPO_PYTHON=str(python), PYTHONWARNINGS="ignore", **env)
     proc = subprocess.run(list(command), capture_output=True, text=True, env=environ, cwd=REPO, timeout=300)
     report = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
@@ -63,13 +38,13 @@ def launch(ascend, python=sys.executable, command=("bash", "-c", PROBE), **env):
 def test_without_ascend_the_cpu_is_chosen_and_cann_left_alone(tmp_path):
     proc, report = launch(tmp_path / "no_ascend_here")
     assert proc.returncode == 0, proc.stderr
-    assert report["DEVICE"] == "cpu" and report["FAKE_CANN"] == "" and report["OMP_NUM_THREADS"] == "1"
+    assert report["DEVICE"] == "cpu" and report[SOURCED] == "" and report["OMP_NUM_THREADS"] == "1"
     assert all(report[k] == "" for k in NPU_SETTINGS)
 
 
 @pytest.mark.parametrize("set_env", ["cann", "ascend-toolkit"])
 def test_ascend_without_torch_npu_stops_with_the_import_error(tmp_path, set_env):
-    proc, report = launch(fake_ascend(tmp_path, set_env))
+    proc, report = launch(ascend_install(tmp_path, set_env))
     assert proc.returncode == 1 and "DEVICE" not in report  # no fallback to the CPU
     assert proc.stderr.count("\n") == 1 and f"sourced {tmp_path}/Ascend/{set_env}/set_env.sh" in proc.stderr
     assert proc.stderr.strip().endswith("torch_npu does not import with " + sys.executable +
@@ -77,34 +52,34 @@ def test_ascend_without_torch_npu_stops_with_the_import_error(tmp_path, set_env)
 
 
 def test_cann_is_sourced_before_torch_npu_is_imported_and_the_device_detected(tmp_path):
-    """The fake set_env.sh is what makes torch_npu importable: the check and the detection see it."""
-    proc, report = launch(fake_ascend(tmp_path, torch_npu=True))
+    """The stand-in set_env.sh is what makes torch_npu importable: the check and the detection see it."""
+    proc, report = launch(ascend_install(tmp_path, torch_npu=True))
     assert proc.returncode == 0, proc.stderr
-    assert report["FAKE_CANN"] == "cann" and report["DEVICE"] == "cpu"  # torch_npu imports, sees no NPU
+    assert report[SOURCED] == "cann" and report["DEVICE"] == "cpu"  # torch_npu imports, sees no NPU
 
 
 def test_on_npu_mindspeed_mm_settings_are_exported_and_the_users_win(tmp_path):
-    proc, report = launch(fake_ascend(tmp_path), fake_npu_python(tmp_path), HCCL_BUFFSIZE="400")
+    proc, report = launch(ascend_install(tmp_path), npu_python(tmp_path), HCCL_BUFFSIZE="400")
     assert proc.returncode == 0, proc.stderr
-    assert report["DEVICE"] == "npu" and report["FAKE_CANN"] == "cann"
+    assert report["DEVICE"] == "npu" and report[SOURCED] == "cann"
     assert {k: report[k] for k in NPU_SETTINGS} == {**NPU_SETTINGS, "HCCL_BUFFSIZE": "400"}
 
 
 def test_an_ascend_folder_without_cann_is_refused(tmp_path):
-    proc, _ = launch(fake_ascend(tmp_path, set_env=None))
+    proc, _ = launch(ascend_install(tmp_path, set_env=None))
     assert proc.returncode == 1
     assert "has neither cann/set_env.sh nor ascend-toolkit/set_env.sh" in proc.stderr
 
 
 def test_a_forced_cpu_skips_the_ascend_steps(tmp_path):
-    proc, report = launch(fake_ascend(tmp_path, set_env=None), MM_GRPO_DEVICE="cpu")
+    proc, report = launch(ascend_install(tmp_path, set_env=None), MM_GRPO_DEVICE="cpu")
     assert proc.returncode == 0, proc.stderr
-    assert report["DEVICE"] == "cpu" and report["FAKE_CANN"] == ""
+    assert report["DEVICE"] == "cpu" and report[SOURCED] == ""
 
 
 @pytest.mark.parametrize("script", ["grpo_flux.sh", "pretrain_flux.sh"])
 def test_the_launch_scripts_stop_before_torchrun(tmp_path, script):
-    proc, _ = launch(fake_ascend(tmp_path), command=("bash", f"examples/flux/{script}"),
+    proc, _ = launch(ascend_install(tmp_path), command=("bash", f"examples/flux/{script}"),
                      PIPELINE_DIR=str(tmp_path), DATA_DIR=str(tmp_path), PROMPT_FILE=str(tmp_path / "p.txt"))
     assert proc.returncode == 1 and "torch_npu does not import" in proc.stderr
     assert "torch.distributed.run" not in proc.stderr + proc.stdout and "device=" not in proc.stdout

@@ -1,33 +1,54 @@
 """GRPO inside MindSpeed-MM's real `pretrain` (mindspeed_mm/training.py, Megatron-LM core_v0.12.1's
-loop): two iterations equal mm-grpo's own trainer at the same seeds, and a run resumed from
-Megatron's checkpoint (`--load`) continues exactly as the uninterrupted one.
+loop), launched as a MindSpeed-MM user launches it: examples/flux/mindspeed_mm/grpo_flux.sh, unchanged,
+with only its variables set (tiny model, 2 iterations, CPU, gloo, a no-op CANN set_env.sh).
 
-`pretrain` runs in a child process (torchrun, one gloo process), as a MindSpeed-MM user launches
-it: `python -m mm_grpo.training.mindspeed_grpo` with Megatron's arguments. What it trained is read
-from its own outputs: the TensorBoard scalars Megatron logs and the checkpoints it saves.
+- Two iterations with the KL term equal mm-grpo's own trainer at the same seeds (losses, KL, rewards,
+  grad norms, weights, the held-out evaluation before and after), and a run resumed from Megatron's
+  checkpoint (`--load`) continues exactly as the uninterrupted one.
+- The entry's guards: every refusal is one line per launch before Megatron starts (a torchrun launch
+  of two processes, and each refusal in this process); non-finite rewards skip rollouts, never an
+  optimizer step or a checkpoint, and `--max-skipped-iterations` of them in a row end the run (exit 3,
+  one line, two processes); `--save` is locked and probed before the first rollout.
+
+What a launch trained is read from its own outputs: the TensorBoard scalars Megatron logs and the
+checkpoints it saves.
 """
 import argparse
 import glob
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
 
+from mm_grpo.checkpoint.lock import LOCK_FILE, RunFolderLocked
 from mm_grpo.models.flux import FluxConfig
+from mm_grpo.training.run_guard import TrainingStopped, UnusableSaveFolder
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.grpo_helpers import grpo_argv, run_grpo, write_configs
+from tests.standins.ascend_install import ascend_install
 from tests.testbed import REPO, TESTBED, require_testbed, subprocess_env
 from tests.utils import rel_err
 
 pytestmark = pytest.mark.mindspeed_mm
 TOL = 1e-5
 LAUNCH_TIMEOUT_S = 900
+SCRIPT = os.path.join(REPO, "examples", "flux", "mindspeed_mm", "grpo_flux.sh")
+TRACKER = "latest_checkpointed_iteration.txt"
 # The trainer's run (tests/grpo_helpers.grpo_argv): 8 generations of 2 prompts, micro-batch 2,
 # 6 steps of which DanceGRPO trains int(5 x 0.6) = 3: Megatron counts 8 x 3 = 24 rows per step.
 TRAINED_STEPS = 3
+KL_BETA = "0.1"
+# grpo_flux.sh's variables for that run (everything else as shipped).
+SCRIPT_VARIABLES = {"NPUS_PER_NODE": "1", "DIST_BACKEND": "gloo", "MBS": "2", "G": "4", "STEPS": "6",
+                    "K": str(TRAINED_STEPS), "GBS": str(8 * TRAINED_STEPS), "TRAIN_ITERS": "2", "LR": "1e-3",
+                    "SEED": "3", "KL_BETA": KL_BETA, "SAVE_INTERVAL": "1", "EVAL_INTERVAL": "2"}
+# The same run as Megatron arguments, for the launches that test the guards.
 MEGATRON_ARGV = [
     "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
     # Megatron's model-size arguments, required by its parser (the FLUX predictor reads its block)
@@ -42,11 +63,11 @@ MEGATRON_ARGV = [
     "--num-generations", "4", "--num-inference-steps", "6"]
 
 
-def write_mindspeed_configs(folder, pipeline_dir):
+def write_mindspeed_configs(folder, pipeline_dir, from_pretrained=None):
     """mm-grpo's model.json / data.json (the trainer's), and for `pretrain` the same configs with the
-    predictor written MindSpeed-MM's way (architecture inline, from_pretrained one file) and paths
-    absolute (MindSpeed-MM reads them from the working directory), and a tools.json; returns
-    ((model, data), mindspeed model.json, mindspeed data.json, tools.json)."""
+    predictor written MindSpeed-MM's way (architecture inline, heads as MindSpeed-MM names them,
+    from_pretrained one file) and paths absolute (MindSpeed-MM reads them from the working
+    directory), and a tools.json; returns ((model, data), mindspeed model.json, mindspeed data.json, tools.json)."""
     ours = write_configs(folder, pipeline_dir)
     with open(ours[0]) as f:
         model = json.load(f)
@@ -55,8 +76,11 @@ def write_mindspeed_configs(folder, pipeline_dir):
     params = data["dataset_param"]
     params.update({k: os.path.join(folder, params[k]) for k in ("prompt_file", "eval_prompt_file")})
     transformer = os.path.join(str(pipeline_dir), "transformer")
-    model["predictor"] = {"model_id": "flux", **FluxConfig.from_diffusers_config(transformer).to_diffusers_config(),
-                          "from_pretrained": os.path.join(transformer, "diffusion_pytorch_model.safetensors")}
+    arch = FluxConfig.from_diffusers_config(transformer).to_diffusers_config()
+    model["predictor"] = {"model_id": "flux", **arch, "num_heads": arch["num_attention_heads"],
+                          "head_dim": arch["attention_head_dim"],
+                          "from_pretrained": from_pretrained or os.path.join(transformer,
+                                                                              "diffusion_pytorch_model.safetensors")}
     with open(os.path.join(TESTBED, "MindSpeed-MM", "mindspeed_mm", "tools", "tools.json")) as f:
         tools = json.load(f)
     # MindSpeed-MM builds its "static" NPU profiler (torch_npu) even when profiling is off; "dynamic"
@@ -70,18 +94,59 @@ def write_mindspeed_configs(folder, pipeline_dir):
     return ours, *paths
 
 
-def launch_pretrain(run_dir, model_json, data_json, tools_json, extra=()):
-    """`torchrun -m mm_grpo.training.mindspeed_grpo ...` (one process); returns its log."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           "-m", "mm_grpo.training.mindspeed_grpo", *MEGATRON_ARGV, "--mm-model", model_json, "--mm-data", data_json,
-           "--mm-tool", tools_json, "--save", os.path.join(run_dir, "ckpt"),
-           "--tensorboard-dir", os.path.join(run_dir, "tb"), *extra]
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _child_env(**extra):
+    """The launched processes: this checkout and the testbed importable, one thread each."""
     env = subprocess_env(dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                              CUDA_DEVICE_MAX_CONNECTIONS="1"))
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+                              CUDA_DEVICE_MAX_CONNECTIONS="1", **extra))
+    # Absolute: the launch script runs from the MindSpeed-MM checkout.
+    env["PYTHONPATH"] = os.pathsep.join([REPO, *map(os.path.abspath, env["PYTHONPATH"].split(os.pathsep))])
+    env.pop("MM_GRPO_ERROR_FILE", None)
+    return env
+
+
+def run_script(tmp, run_dir, model_json, data_json, tools_json, load, extra=()):
+    """examples/flux/mindspeed_mm/grpo_flux.sh with its variables set; returns its output."""
+    tmp.mkdir()
+    env = _child_env(**SCRIPT_VARIABLES, MM_GRPO_ASCEND=str(ascend_install(tmp)), MASTER_PORT=str(_free_port()),
+                     MINDSPEED_MM=os.path.join(TESTBED, "MindSpeed-MM"), MM_MODEL=model_json, MM_DATA=data_json,
+                     MM_TOOL=tools_json, LOAD_PATH=load, SAVE_PATH=os.path.join(run_dir, "ckpt"),
+                     TENSORBOARD_DIR=os.path.join(run_dir, "tb"), LOG_DIR=os.path.join(run_dir, "logs"))
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]])  # torchrun
+    proc = subprocess.run(["bash", SCRIPT, *extra], env=env, capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT_S)
     log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"pretrain failed (rc={proc.returncode}):\n{log[-6000:]}"
+    assert proc.returncode == 0, f"grpo_flux.sh failed (rc={proc.returncode}):\n{log[-6000:]}"
     return log
+
+
+def launch_entry(tmp, argv, nproc):
+    """`torchrun -m mm_grpo.training.mindspeed_grpo ARGV` on `nproc` processes: (output, the lines
+    the processes wrote to MM_GRPO_ERROR_FILE, as shell/run_trainer.sh reads them)."""
+    errors = os.path.join(tmp, "errors.txt")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "mm_grpo.training.mindspeed_grpo", *argv]
+    proc = subprocess.run(cmd, cwd=REPO, env=dict(_child_env(), MM_GRPO_ERROR_FILE=errors), capture_output=True,
+                          text=True, timeout=LAUNCH_TIMEOUT_S)
+    lines = open(errors).read().splitlines() if os.path.exists(errors) else []
+    return proc.stdout + proc.stderr, proc.returncode, lines
+
+
+def assert_one_line_per_launch(log, rc, error_lines, status, match):
+    """The launch failed with one `mm-grpo: error` line (rank 0's; the other processes quiet) and
+    no worker traceback (torchrun's own report names no mm_grpo frame); rank 0 exited first, so
+    torchrun reports its status as the root cause."""
+    assert rc != 0
+    assert re.search(rf"rank\s*: 0 \(local_rank: 0\)\s*\n\s*exitcode\s*: {status} ", log), log[-3000:]
+    assert len(error_lines) == 1 and error_lines[0].startswith(f"{status}\tmm-grpo: error: "), error_lines
+    assert re.search(match, error_lines[0]), error_lines[0]
+    assert log.count("mm-grpo: error:") == 1, log[-4000:]
+    assert not re.search(r'File ".*mm_grpo/', log), log[-4000:]
 
 
 def scalars(run_dir):
@@ -103,19 +168,31 @@ def saved_model(run_dir, iteration):
 
 
 @pytest.fixture(scope="module")
-def runs(parallel_1proc, tiny_pipeline_dir, tmp_path_factory):
-    """mm-grpo's own trainer (2 iterations), `pretrain` uninterrupted (2 iterations, a checkpoint
-    after each) and `pretrain` resumed from the first checkpoint."""
+def configs(tiny_pipeline_dir, tmp_path_factory):
     require_testbed(needs_megatron_training=True)
-    folder = tmp_path_factory.mktemp("mindspeed_grpo")
-    ours, model_json, data_json, tools_json = write_mindspeed_configs(str(folder), tiny_pipeline_dir)
-    history, run = run_grpo(grpo_argv(*ours, iters=2))
+    folder = str(tmp_path_factory.mktemp("mindspeed_grpo_cfg"))
+    return write_mindspeed_configs(folder, tiny_pipeline_dir)
+
+
+def entry_argv(configs, *extra):
+    _, model_json, data_json, tools_json = configs
+    return [*MEGATRON_ARGV, "--mm-model", model_json, "--mm-data", data_json, "--mm-tool", tools_json, *extra]
+
+
+# --- the launch script: the same run as mm-grpo's trainer --------------------------------------------
+@pytest.fixture(scope="module")
+def runs(parallel_1proc, configs, tmp_path_factory):
+    """mm-grpo's own trainer (2 iterations, KL, held-out evaluation before and after), grpo_flux.sh
+    uninterrupted (2 iterations, a checkpoint after each) and grpo_flux.sh resumed from the first checkpoint."""
+    ours, model_json, data_json, tools_json = configs
+    history, run = run_grpo(grpo_argv(*ours, iters=2, extra=["--kl-beta", KL_BETA, "--eval-interval", "2"]))
     weights = {n: p.detach().clone() for n, p in run.model.modules[0].named_parameters()}
-    trainer = {"history": history, "weights": weights}
+    trainer = {"history": history, "weights": weights, "evaluations": run.evaluations}
+    folder = tmp_path_factory.mktemp("mindspeed_grpo")
     full, resumed = str(folder / "full"), str(folder / "resumed")
-    launch_pretrain(full, model_json, data_json, tools_json)
-    log = launch_pretrain(resumed, model_json, data_json, tools_json,
-                          ["--load", os.path.join(full, "ckpt"), "--ckpt-step", "1"])
+    run_script(folder / "a", full, model_json, data_json, tools_json, load=str(folder / "nothing_yet"))
+    log = run_script(folder / "b", resumed, model_json, data_json, tools_json, load=os.path.join(full, "ckpt"),
+                     extra=["--ckpt-step", "1"])
     return {"trainer": trainer, "full": full, "resumed": resumed, "resumed_log": log}
 
 
@@ -123,11 +200,14 @@ def test_two_iterations_in_pretrain_equal_the_trainer(runs):
     history, weights = runs["trainer"]["history"], runs["trainer"]["weights"]
     logged = scalars(runs["full"])
     for it, ours in enumerate(history, start=1):
-        # PPO with ratio 1: the loss is mean(-A), about 0: compared absolutely (float32 in TensorBoard)
+        # PPO with ratio 1: the loss is mean(-A) + beta KL, about 0: compared absolutely (float32 in TensorBoard)
         assert abs(logged["loss"][it] - ours["loss"]) <= 1e-6
         assert logged["reward/mean"][it] == pytest.approx(ours["reward/mean"], rel=TOL)
         assert logged["grad-norm"][it] == pytest.approx(ours["grad_norm"], rel=TOL)
         assert logged["ratio_min"][it] == logged["ratio_max"][it] == 1.0  # on-policy: the rollout's log-probs
+    # The KL term to the starting policy: none before the first step, then the trainer's.
+    assert logged["kl"][1] == history[0]["kl"] == 0.0
+    assert history[1]["kl"] > 0 and logged["kl"][2] == pytest.approx(history[1]["kl"], rel=TOL)
     assert min(h["grad_norm"] for h in history) > 0  # it trained
     saved = saved_model(runs["full"], 2)
     assert set(saved) >= set(weights)
@@ -136,27 +216,218 @@ def test_two_iterations_in_pretrain_equal_the_trainer(runs):
     assert errs[worst] <= TOL, (worst, errs[worst])
     first = saved_model(runs["full"], 1)
     assert any(not torch.equal(first[n], saved[n]) for n in weights)  # the second step moved the weights
+    assert LOCK_FILE not in os.listdir(os.path.join(runs["full"], "ckpt"))  # the run's lock released
+
+
+def test_held_out_evaluation_before_and_after_equals_the_trainer(runs):
+    evaluations = runs["trainer"]["evaluations"]
+    logged = scalars(runs["full"])["eval/reward_mean"]
+    assert set(logged) == set(evaluations) == {0, 2}
+    for it, stats in evaluations.items():
+        assert logged[it] == pytest.approx(stats["eval/reward_mean"], rel=TOL)
+    assert logged[0] != logged[2]  # the policy it scored changed
 
 
 def test_pretrain_resumed_from_its_checkpoint_continues_identically(runs):
     assert "loading checkpoint from" in runs["resumed_log"] and "at iteration 1" in runs["resumed_log"]
     full, resumed = scalars(runs["full"]), scalars(runs["resumed"])
     assert set(resumed["loss"]) == {2}  # only the second iteration ran
-    for tag in ("loss", "reward/mean", "reward/std", "grad-norm"):
+    for tag in ("loss", "kl", "reward/mean", "reward/std", "grad-norm"):  # kl: the reference is from_pretrained
         assert resumed[tag][2] == full[tag][2], tag
+    assert resumed["eval/reward_mean"][2] == full["eval/reward_mean"][2]
     a, b = saved_model(runs["full"], 2), saved_model(runs["resumed"], 2)
     assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a if torch.is_tensor(a[n]))
 
 
-def test_megatron_global_batch_counts_trained_rows(parallel_1proc):
+# --- guards: refusals before Megatron starts ------------------------------------------------------
+def test_a_refusal_is_one_line_per_launch_before_megatron_starts(configs, tmp_path):
+    argv = entry_argv(configs)
+    argv[argv.index("--pipeline-model-parallel-size") + 1] = "2"
+    log, rc, lines = launch_entry(str(tmp_path), argv, nproc=2)
+    assert_one_line_per_launch(log, rc, lines, 2, r"pipeline parallelism \(--pipeline-model-parallel-size 2\) is "
+                                                  r"not supported .* use --pipeline-model-parallel-size 1, or "
+                                                  r"mm_grpo.training.train_grpo")
+    assert "initializing torch distributed" not in log  # before Megatron's initialization
+
+
+def _tracker(folder, iteration):
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, TRACKER), "w") as f:
+        f.write(str(iteration))
+    return str(folder)
+
+
+def _without_block(configs, tmp_path, name):
+    with open(configs[1]) as f:
+        model = json.load(f)
+    del model[name]
+    path = str(tmp_path / "model.json")
+    with open(path, "w") as f:
+        json.dump(model, f)
+    return path
+
+
+REFUSALS = {
+    "pipeline": (["--pipeline-model-parallel-size", "2"], r"^pipeline parallelism .* rollout runs inside the first "
+                                                           r"forward_step"),
+    "batch": (["--global-batch-size", "25"], r"--global-batch-size 25 counts .* multiple of the 3 trained steps"),
+    "load_inside_rollout": (lambda t: ["--updates-per-rollout", "2", "--load", _tracker(t / "ckpt", 3)],
+                            r"--load: iteration 3 is inside a rollout \(--updates-per-rollout 2\)"),
+    "save_inside_rollout": (["--updates-per-rollout", "2"], r"--save-interval 1 must be a multiple of "
+                                                             r"--updates-per-rollout 2"),
+    "ckpt_step_inside_rollout": (lambda t: ["--updates-per-rollout", "2", "--save-interval", "2", "--load",
+                                            _tracker(t / "ckpt", 2), "--ckpt-step", "1"],
+                                 r"--load: iteration 1 is inside a rollout"),
+    "no_reward_block": (lambda t: ["--mm-model", "{reward}"], r"--mm-model has no 'reward' block"),
+    "no_tool_config": (["--mm-tool", ""], r"--mm-tool is required"),
+    "ema": (["--ema-decay", "0.5"], r"^--ema-decay: mm_grpo.training.mindspeed_grpo keeps no EMA .* use "
+                                    r"mm_grpo.training.train_grpo"),
+    "ema_ramp": (["--ema-decay-ramp", "0.01"], r"^--ema-decay-ramp: .* keeps no EMA"),
+    "kl_resumed_without_start": (lambda t: ["--kl-beta", "0.1", "--mm-model", "{no_from_pretrained}", "--load",
+                                            _tracker(t / "ckpt", 1)],
+                                 r"--kl-beta > 0 needs the starting weights: predictor.from_pretrained"),
+    "max_skipped": (["--max-skipped-iterations", "-1"], r"need --max-skipped-iterations >= 0"),
+    "prompt_file": (lambda t: ["--mm-data", "{missing_prompts}"], r"prompt file not found"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_each_refusal_is_one_line_before_pretrain(configs, tmp_path, case, monkeypatch):
+    """Each refusal of the checks before `pretrain`, in this process (the launch above shows that the
+    same check is one line per launch)."""
+    from mm_grpo.training import mindspeed_grpo
+    extra, match = REFUSALS[case]
+    extra = extra(tmp_path) if callable(extra) else extra
+    with open(configs[1]) as f:
+        no_start = dict(json.load(f))
+    no_start["predictor"] = dict(no_start["predictor"], from_pretrained=None)
+    (tmp_path / "no_start.json").write_text(json.dumps(no_start))
+    with open(configs[2]) as f:
+        missing = json.load(f)
+    missing["dataset_param"]["prompt_file"] = str(tmp_path / "missing.txt")
+    (tmp_path / "missing_data.json").write_text(json.dumps(missing))
+    no_reward = _without_block(configs, tmp_path, "reward")
+    paths = {"reward": no_reward, "no_from_pretrained": str(tmp_path / "no_start.json"),
+             "missing_prompts": str(tmp_path / "missing_data.json")}
+    extra = [a.format(**paths) if a.startswith("{") else a for a in extra]
+    monkeypatch.setattr(mindspeed_grpo.CombinedReward, "from_configs",  # rewards come after every check here
+                        lambda *a, **k: pytest.fail("the rewards were built before the refusal"))
+    with pytest.raises(mindspeed_grpo.LaunchRefused) as refused:
+        mindspeed_grpo.check_launch(entry_argv(configs, *extra))
+    message = str(refused.value)
+    assert re.search(match, message), message
+    assert "\n" not in message
+
+
+def test_a_launch_that_passes_the_checks_reads_what_pretrain_needs(configs):
+    from mm_grpo.training import mindspeed_grpo
+    launch = mindspeed_grpo.check_launch(entry_argv(configs, "--eval-prompts", "1"))
+    s = launch.settings
+    assert (s.global_batch_size, s.trained_steps_per_sample, s.num_generations, s.height) == (8, 3, 4, 32)
+    assert launch.eval_prompts == ["a white circle"]  # --eval-prompts of eval_prompt_file
+    assert list(launch.reward.rewards) == ["jpeg_compressibility"]
+    assert launch.args.max_skipped_iterations == 10  # the trainers' default
+
+
+def test_megatron_global_batch_counts_trained_rows():
     """--global-batch-size is rows (generation, trained step) per optimizer step: it gives the rollout's
     generations, and a count that is no multiple of the trained steps is refused in one line."""
     require_testbed(needs_megatron_training=True)
-    from mm_grpo.training.mindspeed_grpo import GRPOInPretrain
+    from mm_grpo.training.mindspeed_grpo import grpo_settings
     args = argparse.Namespace(num_generations=4, num_inference_steps=6, global_batch_size=24, micro_batch_size=2,
                               updates_per_rollout=2, seed=3)
-    settings = GRPOInPretrain.settings(args, {"image_size": [32, 32]})
+    settings = grpo_settings(args, {"image_size": [32, 32]}, dp_size=1)
     assert (settings.global_batch_size, settings.trained_steps_per_sample, settings.height) == (16, 3, 32)
     args.global_batch_size = 25
     with pytest.raises(ValueError, match="--global-batch-size 25 counts .* multiple of the 3 trained steps"):
-        GRPOInPretrain.settings(args, {"image_size": [32, 32]})
+        grpo_settings(args, {"image_size": [32, 32]}, dp_size=1)
+
+
+# --- guards: the save folder before the first rollout ----------------------------------------------
+@pytest.fixture
+def megatron_args():
+    """Megatron's global arguments for one test (what `pretrain` sets before calling the providers)."""
+    from megatron.training import global_vars
+    saved = global_vars._GLOBAL_ARGS
+    yield global_vars.set_args
+    global_vars._GLOBAL_ARGS = saved
+
+
+def test_a_locked_or_unwritable_save_folder_is_refused_before_the_first_rollout(parallel_1proc, configs, tmp_path,
+                                                                                megatron_args):
+    from mm_grpo.training.mindspeed_grpo import GRPOInPretrain, check_launch
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    holder = f"{socket.gethostname()}:{os.getppid()}"  # a live process of this host: another job
+    (locked / LOCK_FILE).write_text(holder + "\n")
+    launch = check_launch(entry_argv(configs, "--save", str(locked)))
+    launch.args.iteration = 0  # as Megatron's load leaves it
+    megatron_args(launch.args)
+    grpo = GRPOInPretrain(launch)
+    with pytest.raises(RunFolderLocked, match=f"is in use by the job of process {holder}"):
+        grpo.train_valid_test_datasets_provider(None)
+    assert grpo.schedule is None and grpo.lock is None  # nothing built, nothing held
+    (tmp_path / "file").write_text("not a folder")
+    launch.args.save = str(tmp_path / "file" / "ckpt")
+    with pytest.raises(UnusableSaveFolder, match="cannot use --save .*Not a directory"):
+        grpo.train_valid_test_datasets_provider(None)
+    assert grpo.schedule is None
+
+
+# --- guards: non-finite rewards -------------------------------------------------------------------
+class _Schedule:
+    """Stands in for GRPOSchedule: rollout i has finite rewards iff finite[i] (one micro-batch)."""
+
+    s = types.SimpleNamespace(prompts_per_iteration=1)
+
+    def __init__(self, finite):
+        self.finite, self.rollouts = finite, []
+
+    def prepare(self, iteration, prompts):
+        self.rollouts.append(iteration)
+        if self.finite[iteration]:
+            return [[{"rollout": iteration}]], {"reward/mean": 1.0}
+        return None, {"reward/mean": float("nan"), "skipped": 1.0, "skip_reason": "4 of 4 rewards are non-finite"}
+
+
+class _Prompts:
+    def next_batch(self, n):
+        return ["a red circle"] * n
+
+
+def test_skipped_rollouts_yield_nothing_and_stop_the_run_at_the_limit():
+    require_testbed(needs_megatron_training=True)
+    from mm_grpo.training.mindspeed_adapter import GRPOMicroBatches
+    schedule = _Schedule([False, True, False, True, False, False])
+    batches = GRPOMicroBatches(schedule, _Prompts(), max_skipped=2)
+    assert next(batches)["rollout"] == 1  # rollout 0 skipped: nothing of it reaches Megatron's step
+    assert next(batches)["rollout"] == 3  # one skipped in a row (rollout 2): below the limit
+    with pytest.raises(TrainingStopped, match=r"^2 iterations in a row skipped \(up to iteration 6: 4 of 4 rewards "
+                                              r"are non-finite\); stopping at --max-skipped-iterations 2"):
+        next(batches)
+    assert schedule.rollouts == [0, 1, 2, 3, 4, 5]
+
+
+def test_non_finite_rewards_end_the_run_after_the_skipped_limit_with_nothing_saved(configs, tmp_path):
+    """A policy whose images are NaN (a NaN weight): every rollout's rewards are non-finite. Two
+    processes (DP 2): both stop at --max-skipped-iterations, with one line, exit 3, no step, no checkpoint."""
+    from safetensors.torch import load_file, save_file
+    source = json.load(open(configs[1]))["predictor"]["from_pretrained"]
+    weights = load_file(source)
+    weights["proj_out.weight"] = torch.full_like(weights["proj_out.weight"], float("nan"))
+    broken = str(tmp_path / "nan.safetensors")
+    save_file(weights, broken)
+    model = json.load(open(configs[1]))
+    model["predictor"]["from_pretrained"] = broken
+    model_json = str(tmp_path / "model.json")
+    json.dump(model, open(model_json, "w"))
+    save = tmp_path / "ckpt"
+    argv = entry_argv(configs, "--mm-model", model_json, "--max-skipped-iterations", "2", "--save", str(save),
+                      "--tensorboard-dir", str(tmp_path / "tb"))
+    log, rc, lines = launch_entry(str(tmp_path), argv, nproc=2)
+    assert_one_line_per_launch(log, rc, lines, 3, r"2 iterations in a row skipped \(up to iteration 2: 8 of 8 "
+                                                  r"rewards are non-finite .*\); stopping at "
+                                                  r"--max-skipped-iterations 2")
+    assert log.count("mm-grpo: warning: rollout 1 skipped") == 1  # rank 0's, before rolling out again
+    assert sorted(os.listdir(save)) == []  # no checkpoint, no tracker; the lock released
+    assert "loss" not in scalars(str(tmp_path))  # Megatron never stepped

@@ -1,6 +1,6 @@
 """Ulysses SP pieces in one process: the token split, the padding mask, the all-to-all
-layouts (with a simulated all-to-all) and masked attention on both kernel sets.
-The multi-process parity checks are in tests/distributed/checks_pp_sp.py."""
+layouts (with a simulated all-to-all) and masked attention (the NPU kernels' inverted mask:
+tests/test_kernels.py). The multi-process parity checks are in tests/distributed/checks_pp_sp.py."""
 import types
 
 import pytest
@@ -78,22 +78,3 @@ def test_masked_attention_ignores_padded_keys():
     mask = torch.arange(12) < 10
     out = kernels.attention_torch(pad(q), pad(k), pad(v), key_mask=mask)
     assert torch.allclose(out[:, :, :10], expected, atol=1e-6)
-
-
-def test_npu_attention_gets_the_inverted_mask():
-    calls = {}
-
-    def npu_fusion_attention(q, k, v, heads, **kwargs):
-        calls.update(kwargs, heads=heads)
-        return (q,)
-    fake_npu = types.SimpleNamespace(npu_fusion_attention=npu_fusion_attention)
-    try:
-        kernels.select_kernels("npu", fake_npu)
-        q = torch.zeros(1, 2, 4, 8)
-        kernels.attention(q, q, q, torch.tensor([True, True, False, True]))
-        assert calls["heads"] == 2 and calls["input_layout"] == "BNSD"
-        assert torch.equal(calls["atten_mask"], torch.tensor([[False, False, True, False]] * 4))
-        kernels.attention(q, q, q)
-        assert calls["atten_mask"] is None
-    finally:
-        kernels.select_kernels("cpu")

@@ -9,14 +9,16 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
 
 import mm_grpo  # noqa: F401  (runs init_platform)
 from mm_grpo.platform import Platform, adaptor, cpu_patches, get_platform, init_platform
+from tests.testbed import STANDIN_DIR
 from tests.utils import assert_one_line_error
+
+NPU_MACHINE = os.path.join(STANDIN_DIR, "npu_machine")
 
 
 # ---- the platform of this process -----------------------------------------------------------
@@ -123,28 +125,6 @@ def test_no_switch_after_init():
         init_platform(force="cuda")
 
 
-_FAKE_NPU = {
-    # torch_npu registers the 'npu' device type; its imports are logged to check their order
-    "torch_npu/__init__.py": """
-        import sys, types, torch
-        EVENTS = []
-        torch.utils.rename_privateuse1_backend("npu")
-        npu = types.ModuleType("torch_npu.npu")
-        npu.is_available = lambda: True
-        torch._register_device_module("npu", npu)
-    """,
-    "torch_npu/contrib/__init__.py": "",
-    "torch_npu/contrib/transfer_to_npu.py": """
-        import torch_npu
-        torch_npu.EVENTS.append("transfer_to_npu")
-    """,
-    "mindspeed/__init__.py": "",
-    "mindspeed/megatron_adaptor.py": """
-        import sys, torch_npu
-        torch_npu.EVENTS.append(f"megatron_adaptor, megatron.core imported: {'megatron.core' in sys.modules}")
-    """,
-}
-
 _NPU_REPORT = """
 import json, sys, mm_grpo, torch_npu
 p = mm_grpo.get_platform()
@@ -155,12 +135,10 @@ print(json.dumps({"name": p.name, "device": str(p.device), "backend": p.dist_bac
 """
 
 
-def test_npu_path_with_fake_torch_npu_and_mindspeed(tmp_path):
-    for rel, src in _FAKE_NPU.items():
-        path = tmp_path / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(src))
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+def test_npu_path_with_the_npu_machine_standin():
+    """torch_npu and MindSpeed's adaptor as on an NPU machine (tests/testbed.py, STANDINS), in a
+    subprocess: the platform fields, and the two imports in order with Megatron not yet imported."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [NPU_MACHINE, os.environ.get("PYTHONPATH")])),
                LOCAL_RANK="2", PYTHONWARNINGS="ignore")
     env.pop("MM_GRPO_DEVICE", None)
     proc = subprocess.run([sys.executable, "-c", _NPU_REPORT], capture_output=True, text=True, env=env,

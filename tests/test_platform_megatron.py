@@ -383,9 +383,15 @@ def test_ddp_grad_buffers_offload_and_restore(world):
 def test_fresh_distrib_optimizer_loads_state(world):
     fresh = call_distrib_optimizer_load_state()
     assert fresh.param_groups[0]["lr"] == 0.01
-    state = list(fresh.chained_optimizers[0].optimizer.state.values())
+    optimizer = fresh.chained_optimizers[0].optimizer
+    state = list(optimizer.state.values())
     assert len(state) == 4  # placeholders for exp_avg/exp_avg_sq, filled by load_parameter_state
-    assert all(s["step"].item() == 1 and s["exp_avg"].device.type == "cpu" for s in state)
+    assert all(s["exp_avg"].device.type == "cpu" for s in state)
+    # torch's AdamW counts steps per parameter; an Apex-style Adam (MindSpeed's AdamW, which its
+    # adaptor makes Megatron's Adam) per parameter group.
+    steps = [s["step"] for s in state] if isinstance(optimizer, torch.optim.AdamW) else \
+        [g["step"] for g in optimizer.param_groups]
+    assert steps and all(int(step) == 1 for step in steps)
 
 
 def test_forward_backward_no_pipelining_matches_autograd(world):

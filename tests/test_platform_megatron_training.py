@@ -126,7 +126,7 @@ from tests.sora_helpers import set_megatron_args
 from tests.test_platform_megatron import init_world_size_1
 folder = tempfile.mkdtemp()
 with open(os.path.join(folder, "model.json"), "w") as f:
-    json.dump({"predictor": {"model_id": "flux"}}, f)
+    json.dump({"predictor": {"model_id": "flux", "num_layers": 1, "num_heads": 4, "head_dim": 16}}, f)  # sizes MindSpeed-MM reads
 with open(os.path.join(folder, "data.json"), "w") as f:
     json.dump({"dataset_param": {}}, f)
 init_world_size_1(folder)

@@ -16,18 +16,27 @@ import torch
 torch.cuda.is_available = lambda: True
 import mm_grpo
 assert mm_grpo.get_platform().patches == ()
-from megatron.training.utils import get_device_arch_version
+from tests.test_platform_mindspeed_mm import megatron_device_arch_version
 try:
-    get_device_arch_version()
+    megatron_device_arch_version()
 except Exception as e:
     print("FAILED", type(e).__name__, e)
 """
 
 
+def megatron_device_arch_version():
+    """Megatron-LM's own get_device_arch_version (MindSpeed's adaptor answers the NPU's, 8, in its place:
+    the CPU patch is for Megatron-LM without MindSpeed)."""
+    from mindspeed.patch_utils import MindSpeedPatchesManager
+    from megatron.training.utils import get_device_arch_version
+    patch = MindSpeedPatchesManager.patches_info["megatron.training.utils.get_device_arch_version"]
+    assert get_device_arch_version is patch.final_patch_func and get_device_arch_version() == 8
+    return patch.orig_func()
+
+
 def test_device_arch_version_on_cpu_and_not_patched_on_cuda():
     require_testbed(needs_megatron_training=True)
-    from megatron.training.utils import get_device_arch_version
-    assert get_device_arch_version() == 0  # a CPU has no CUDA compute capability
+    assert megatron_device_arch_version() == 0  # a CPU has no CUDA compute capability
     assert cpu_patches.applied_targets("training_device_arch") == ("megatron.training.utils",)
     env = subprocess_env()
     env.pop("MM_GRPO_DEVICE", None)

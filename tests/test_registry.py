@@ -5,6 +5,7 @@ Multi-process layouts (TP2, PP2, virtual stages) through the real PredictModel:
 tests/distributed/test_mindspeed_mm_predictor.py."""
 import contextlib
 import io
+import json
 import os
 import subprocess
 import sys
@@ -38,10 +39,41 @@ def test_inline_block_names_the_architecture():
     assert flux_config_from_block(inline_block(dtype="bf16")).bf16
     assert flux_config_from_block(inline_block(dtype=torch.bfloat16)).bf16  # MindSpeed-MM's ConfigReader
     assert_one_line_error(lambda: flux_config_from_block(inline_block(dtype="fp16")), "predictor dtype 'fp16'")
-    assert_one_line_error(lambda: flux_config_from_block(inline_block(num_heads=4)),
-                          r"unknown key\(s\) in the flux predictor block: num_heads")
+    assert_one_line_error(lambda: flux_config_from_block(inline_block(hidden_size=64)),
+                          r"unknown key\(s\) in the flux predictor block: hidden_size")
     assert_one_line_error(lambda: flux_config_from_block({"model_id": "flux"}),
                           "give the architecture inline")
+
+
+def test_heads_under_mindspeed_mm_names():
+    """MindSpeed-MM's names for the heads and their width (num_heads, head_dim: its validate_args
+    reads them) mean diffusers' num_attention_heads and attention_head_dim; given both ways, equal."""
+    diffusers_names = ("num_attention_heads", "attention_head_dim")
+    mindspeed_mm_way = {k: v for k, v in inline_block().items() if k not in diffusers_names}
+    assert flux_config_from_block(dict(mindspeed_mm_way, num_heads=4, head_dim=16)) == TINY
+    assert flux_config_from_block(inline_block(num_heads=4, head_dim=16)) == TINY
+    assert_one_line_error(lambda: flux_config_from_block(inline_block(num_heads=2)),
+                          "num_heads = 2 and num_attention_heads = 4 are MindSpeed-MM's and diffusers' names")
+    assert_one_line_error(lambda: flux_config_from_block(dict(mindspeed_mm_way, num_heads=4, head_dim=8)),
+                          r"axes_dims_rope \(4, 6, 6\) must sum to attention_head_dim \(8\)")
+
+
+def test_mindspeed_mm_entry_refuses_a_block_its_validation_cannot_read(tmp_path, capsys):
+    """Without num_heads, MindSpeed-MM's validate_args multiplies a missing head count (tested in
+    tests/test_mindspeed_mm_sora.py): `-m mm_grpo.run_mindspeed_mm` says what to add, in one line."""
+    from mm_grpo.run_mindspeed_mm import main
+    for block, missing in ((inline_block(), '"num_heads": 4, "head_dim": 16'),
+                           (inline_block(num_heads=4), '"head_dim": 16')):
+        (tmp_path / "model.json").write_text(json.dumps({"predictor": block}))
+        with pytest.raises(SystemExit) as exit_:
+            main(["pretrain_sora.py", "--mm-data", "data.json", "--mm-model", str(tmp_path / "model.json")])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith("mm-grpo: error: "), err
+        assert "MindSpeed-MM sets --num-attention-heads from num_heads" in err and err.strip().endswith(missing)
+    (tmp_path / "model.json").write_text(json.dumps({"predictor": inline_block(num_heads=4, hidden_size=64)}))
+    with pytest.raises(SystemExit):
+        main(["pretrain_sora.py", f"--mm-model={tmp_path / 'model.json'}"])
+    assert "unknown key(s) in the flux predictor block: hidden_size" in capsys.readouterr().err
 
 
 def test_with_pipeline_num_layers_num_layers_counts_all_blocks():

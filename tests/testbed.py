@@ -26,18 +26,36 @@ TESTBED_PATHS = tuple(os.path.join(TESTBED, d) for d in ("MindSpeed-MM", "MindSp
 
 STANDINS = {
     "torch_npu": (
-        "Ascend's torch backend: needs CANN and an NPU. MindSpeed-MM and MindSpeed import it (and "
-        "torch_npu.contrib.transfer_to_npu, which maps cuda to npu) at module level; the stand-in "
-        "imports, answers torch_npu.npu.current_device() with the CPU and raises on every NPU kernel "
-        "(tests/standins/npu_only.py)."),
+        "Ascend's torch backend: a C extension built against CANN, needs an NPU. MindSpeed-MM and "
+        "MindSpeed (its real Megatron adaptor included) import it at module level; the stand-in imports "
+        "with every submodule, answers torch_npu.npu.current_device() with the CPU, lacks what a gloo "
+        "group cannot take (HCCL options), constructs the profiler's set-up objects MindSpeed-MM's train "
+        "builds even when not profiling, and raises on every NPU kernel when called "
+        "(tests/standins/npu_only.py). torch_npu.contrib.transfer_to_npu, which maps cuda to the NPU "
+        "for every module, does nothing: on CPU mm-grpo's CPU patch set maps cuda to the CPU, module by "
+        "module (docs/adaptor.md)."),
     "torchair": (
-        "Ascend's torch graph compiler (CANN): MindSpeed's op builders import it at module level; "
-        "same stand-in as torch_npu."),
-    "mindspeed.megatron_adaptor": (
-        "patches Megatron for the NPU at import (torch_npu's cuda->npu mapping, HCCL process-group "
-        "options, Ascend kernels built against CANN), which on CPU is mm-grpo's CPU patch set's job; "
-        "the stand-in applies MindSpeed's own argument handling and multi-tensor pipeline schedule "
-        "with MindSpeed's patch manager (tests/standins/mindspeed_megatron_adaptor.py)."),
+        "Ascend's torch graph compiler (CANN): MindSpeed's op builders import it at module level and "
+        "register their ops' graph converters with it (the stand-in's registrars return the function "
+        "unchanged); same stand-in as torch_npu (tests/standins/npu_only.py)."),
+    "torch_npu's fused kernels": (
+        "npu_fusion_attention, npu_rms_norm, npu_rotary_mul, which mm_grpo/kernels.py calls on an NPU: "
+        "Ascend kernels (CANN's aclnn ops) that run only on an NPU. The stand-in torch_npu carries CPU "
+        "references of them written from their documented contracts (docs/adaptor.md, \"Fused NPU "
+        "kernels: contracts\"): every argument checked first, float64 values rounded once to the "
+        "documented output dtype (tests/standins/npu_kernels.py)."),
+    "torch_npu and mindspeed.megatron_adaptor on an NPU machine": (
+        "the platform adaptor's NPU path (tests/test_platform.py) needs a torch_npu that sees an NPU, "
+        "whose transfer_to_npu runs before MindSpeed's adaptor and that before Megatron; the real ones "
+        "need CANN and an NPU. A folder for a subprocess's PYTHONPATH: its torch_npu registers the 'npu' "
+        "device with an NPU available, its transfer_to_npu and adaptor log the order they are imported in "
+        "(tests/standins/npu_machine/)."),
+    "CANN's set_env.sh": (
+        "the Ascend install (MM_GRPO_ASCEND) that shell/launch_env.sh sources CANN from "
+        "(tests/test_launch_env.py); CANN installs only where its drivers and an NPU are. A folder built "
+        "per test: set_env.sh under cann/ or ascend-toolkit/, optionally putting a torch_npu that "
+        "imports and sees no NPU on PYTHONPATH, and a `python` that answers as on an NPU machine "
+        "(tests/standins/ascend_install.py)."),
 }
 _NPU_ONLY = ("torch_npu", "torchair")  # these and their submodules: tests/standins/npu_only.py
 
@@ -54,13 +72,9 @@ class _StandInLoader(importlib.abc.Loader):
 
 
 class _StandInFinder(importlib.abc.MetaPathFinder):
-    """Serves the stand-ins of STANDINS; everything else (the rest of `mindspeed` included) is real."""
-
-    FILES = {"mindspeed.megatron_adaptor": os.path.join(STANDIN_DIR, "mindspeed_megatron_adaptor.py")}
+    """Serves the stand-ins of STANDINS; everything else (`mindspeed` included) is real."""
 
     def find_spec(self, name, path, target=None):
-        if name in self.FILES:
-            return importlib.util.spec_from_file_location(name, self.FILES[name])
         if name.split(".")[0] in _NPU_ONLY:
             return importlib.machinery.ModuleSpec(name, _StandInLoader(), is_package=True)
         return None
@@ -88,16 +102,27 @@ def install_standins():
         sys.meta_path.insert(0, _StandInFinder())
 
 
-def adapt_megatron_first():
+def adapt_megatron_first(argv=None):
     """What `import mm_grpo` does on an NPU, before Megatron is imported: MindSpeed's Megatron
-    adaptor (here its stand-in). MindSpeed-MM's environment runs every test process this way
-    (tests/conftest.py, tests/standins/sitecustomize.py)."""
+    adaptor, the real one. MindSpeed-MM's environment runs every test process this way
+    (tests/conftest.py, tests/standins/sitecustomize.py).
+
+    The adaptor parses this process's command line for its features' flags, once, at import
+    (`mindspeed.args_utils.get_mindspeed_args`), and later injects them into every
+    `TransformerConfig`. `argv` stands in for `sys.argv[1:]` there, for a process whose command line
+    is not a training command (pytest's)."""
     if "mindspeed.megatron_adaptor" in sys.modules:
         return
     if "megatron.core" in sys.modules:
         raise RuntimeError("megatron.core was imported before MindSpeed's adaptor: install the testbed first")
     install_standins()
-    importlib.import_module("mindspeed.megatron_adaptor")
+    command_line = sys.argv
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    try:
+        importlib.import_module("mindspeed.megatron_adaptor")
+    finally:
+        sys.argv = command_line
 
 
 class _AdaptorAsMegatronLoads(importlib.abc.MetaPathFinder):

@@ -71,11 +71,11 @@ def group_advantages(
         raise ValueError(f"got {keys.shape[0]} group ids for {rewards.shape[0]} rewards; need one per reward")
     if not clip_max > 0 or not eps >= 0:
         raise ValueError(f"need clip_max > 0 and eps >= 0, got clip_max={clip_max!r}, eps={eps!r}")
-    local = rewards.double()
     if process_group is None:
-        all_rewards, all_keys, offset = local, keys, 0
-    else:
-        (all_rewards, all_keys), offset = _all_gather_rows([local, keys], process_group)
+        all_rewards, all_keys, offset = rewards, keys, 0
+    else:  # gathered in the rewards' own dtype: HCCL has no float64 collectives
+        (all_rewards, all_keys), offset = _all_gather_rows([rewards, keys], process_group)
+    all_rewards = all_rewards.double()
 
     bad = int((~torch.isfinite(all_rewards)).sum())
     if bad:

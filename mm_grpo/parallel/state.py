@@ -129,10 +129,16 @@ def destroy_parallel():
             setattr(parallel_state, name, None)
 
 
+# The dtype of reduced statistics. Not float64: HCCL has none, and MindSpeed's adaptor makes a float64
+# all_reduce reduce a float32 copy that it then drops (torch_all_reduce_double_dtype_bypass_wrapper),
+# leaving the caller's tensor unreduced on every rank.
+STAT_DTYPE = torch.float32
+
+
 def dp_reduce(value, op=dist.ReduceOp.SUM, device=None) -> float:
     """A scalar statistic (a number or a 0-d tensor) reduced over the data-parallel group, in
-    float64 on `device` (default: the tensor's own; NCCL / HCCL need the accelerator's)."""
-    t = torch.as_tensor(value, dtype=torch.float64, device=device).clone()
+    STAT_DTYPE on `device` (default: the tensor's own; NCCL / HCCL need the accelerator's)."""
+    t = torch.as_tensor(value, dtype=STAT_DTYPE, device=device).clone()
     if parallel_state.get_data_parallel_world_size() > 1:
         dist.all_reduce(t, op=op, group=parallel_state.get_data_parallel_group())
     return t.item()

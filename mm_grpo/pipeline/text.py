@@ -69,26 +69,34 @@ class TextEncoders:
         self.text_encoder_2 = _frozen(_load(pipeline_dir, "text_encoder_2", dtype=dtype), self.device)
 
     def _tokenize(self, tokenizer, prompts, max_length):
-        ids = tokenizer(prompts, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt")
+        tokens = tokenizer(prompts, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt")
         if any(len(t) > max_length for t in tokenizer(prompts).input_ids):
             logger.warning("prompts truncated to %d %s tokens", max_length, type(tokenizer).__name__)
-        return ids.input_ids.to(self.device)
+        return tokens.to(self.device)
 
     @torch.no_grad()
     def encode(self, prompts):
         """prompts: list[str] -> prompt_embeds [B, L, D_t5], pooled [B, D_clip], txt_ids [L, 3] (zeros)."""
+        prompt_embeds, pooled, _ = self.encode_with_masks(prompts)
+        txt_ids = torch.zeros(prompt_embeds.shape[1], 3, device=self.device, dtype=self.text_encoder.dtype)
+        return prompt_embeds, pooled, txt_ids
+
+    @torch.no_grad()
+    def encode_with_masks(self, prompts):
+        """`encode`'s two features and the tokenizers' attention masks (1: a prompt token, 0: padding),
+        (T5 [B, L], CLIP [B, 77]). FLUX attends to every token: the masks only describe the sequences
+        (MindSpeed-MM's feature files carry them as `prompt_mask`)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         # CLIP: pooled output only, at the tokenizer's own length (77).
-        clip_ids = self._tokenize(self.tokenizer, prompts, self.tokenizer.model_max_length)
-        pooled = self.text_encoder(clip_ids, output_hidden_states=False).pooler_output
+        clip = self._tokenize(self.tokenizer, prompts, self.tokenizer.model_max_length)
+        pooled = self.text_encoder(clip.input_ids, output_hidden_states=False).pooler_output
         pooled = pooled.to(dtype=self.text_encoder.dtype)
         # T5: the whole padded sequence, no attention mask (FLUX attends to the pad tokens too).
-        t5_ids = self._tokenize(self.tokenizer_2, prompts, self.max_sequence_length)
-        prompt_embeds = self.text_encoder_2(t5_ids, output_hidden_states=False)[0]
+        t5 = self._tokenize(self.tokenizer_2, prompts, self.max_sequence_length)
+        prompt_embeds = self.text_encoder_2(t5.input_ids, output_hidden_states=False)[0]
         prompt_embeds = prompt_embeds.to(dtype=self.text_encoder_2.dtype)
-        txt_ids = torch.zeros(prompt_embeds.shape[1], 3, device=self.device, dtype=self.text_encoder.dtype)
-        return prompt_embeds, pooled, txt_ids
+        return prompt_embeds, pooled, (t5.attention_mask, clip.attention_mask)
 
 
 def save_text_embeddings(encoders, prompts, path, batch_size=16):

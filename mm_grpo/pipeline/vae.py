@@ -1,4 +1,5 @@
-"""Decode packed FLUX latents to images in [0, 1], as FluxPipeline's last step does."""
+"""FLUX's VAE: images to the latents the transformer is trained on (`encode_latents`), and packed
+latents back to images in [0, 1], as FluxPipeline's last step does (`VaeDecoder`)."""
 from pathlib import Path
 
 import torch
@@ -13,6 +14,15 @@ def load_vae(pipeline_dir, device="cpu", dtype=torch.float32):
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"no VAE at {folder} (expected a diffusers pipeline folder with vae/config.json)")
     return AutoencoderKL.from_pretrained(folder, torch_dtype=dtype).to(device).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def encode_latents(vae, images):
+    """Images [B, 3, H, W] in [0, 1] -> the latents FLUX's transformer is trained on, [B, C, H/8, W/8]:
+    the posterior mode (deterministic), shifted and scaled (the inverse of VaeDecoder's first step;
+    MindSpeed-MM's flux_vae: scale x (z - shift))."""
+    z = vae.encode(images.to(vae.device, vae.dtype) * 2 - 1).latent_dist.mode()
+    return (z - vae.config.shift_factor) * vae.config.scaling_factor
 
 
 class VaeDecoder:

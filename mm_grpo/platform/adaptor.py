@@ -78,6 +78,14 @@ def _prepare_npu():
         importlib.import_module("mindspeed.megatron_adaptor")  # patches Megatron before it is used
 
 
+def torch_compile_replaced() -> str | None:
+    """Who replaced torch.compile with a function that compiles nothing, or None. MindSpeed's
+    adaptor does on Ascend (RequirementsBasicFeature: torch.compile and torch.jit.script run the
+    function as it is)."""
+    module = getattr(torch.compile, "__module__", "") or ""
+    return "MindSpeed's adaptor" if module.split(".")[0] == "mindspeed" else None
+
+
 def _build(name: str) -> Platform:
     if name == "cpu":
         return Platform("cpu", torch.device("cpu"), DIST_BACKENDS["cpu"], apply_cpu_patches())

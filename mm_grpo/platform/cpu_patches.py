@@ -340,6 +340,12 @@ def _call_method_instead(code: types.CodeType, old: str, new: str) -> types.Code
     return code.replace(co_code=bytes(raw), co_names=names, co_consts=consts)
 
 
+def _optimizer_state_on_cpu(module):
+    _bind_torch_on_cpu(module)
+    for fn in _own_functions(module):
+        fn.__code__ = _call_method_instead(fn.__code__, "cuda", "cpu")
+
+
 def _model_moved_with_to(module):
     module.get_model.__code__ = _call_method_instead(module.get_model.__code__, "cuda", "to")
 
@@ -353,6 +359,22 @@ def _nothing_to_compile(module):
 
 _MT = "megatron.training."
 CPU_PATCHES += (
+    CpuPatch(
+        "mindspeed_megatron_basic",
+        ("mindspeed.core.megatron_basic.megatron_basic",),
+        "MindSpeed's replacements of the distributed optimizer's load_state_dict and the checkpoint writer's "
+        "preload_tensors make state on torch.cuda.current_device() and call torch.cuda.synchronize(), the NPU "
+        "under torch_npu's mapping; in this module torch is the view of torch_cuda_calls",
+        _bind_torch_on_cpu,
+    ),
+    CpuPatch(
+        "mindspeed_adamw",
+        ("mindspeed.core.optimizer.adamw",),
+        "MindSpeed's adaptor makes Megatron's Adam its own AdamW (torch._fused_adamw_, registered as "
+        "apex.optimizers.FusedAdam), which keeps its step count on torch.cuda.current_device() and moves "
+        "it there with Tensor.cuda(), both NPU under torch_npu's mapping; in this module they mean the CPU",
+        _optimizer_state_on_cpu,
+    ),
     CpuPatch(
         "training_cuda_device",
         (_MT + "initialize", _MT + "training", _MT + "checkpointing", _MC + "timers"),

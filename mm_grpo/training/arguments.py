@@ -12,6 +12,18 @@ from mm_grpo.models.flux.lora import add_lora_args, check_lora_args
 from mm_grpo.settings import add_setting_args
 
 
+def add_max_skipped_iterations(group):
+    """--max-skipped-iterations (mm-grpo's trainers and mm_grpo.training.mindspeed_grpo)."""
+    group.add_argument("--max-skipped-iterations", type=int, default=10,
+                       help="stop with an error after this many iterations in a row without an optimizer step "
+                            "(non-finite rewards, loss or gradients); 0: never")
+
+
+def add_eval_prompts(group):
+    """--eval-prompts (mm-grpo's GRPO trainer and mm_grpo.training.mindspeed_grpo)."""
+    group.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per evaluation")
+
+
 def _add_megatron_args(p):
     g = p.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -30,9 +42,7 @@ def _add_megatron_args(p):
     g.add_argument("--bf16", action="store_true", help="bf16 compute with fp32 master weights")
     g.add_argument("--recompute-activations", action="store_true",
                    help="activation checkpointing, one FLUX block at a time")
-    g.add_argument("--max-skipped-iterations", type=int, default=10,
-                   help="stop with an error after this many iterations in a row without an optimizer step "
-                        "(non-finite rewards, loss or gradients); 0: never")
+    add_max_skipped_iterations(g)
     g.add_argument("--compile-blocks", action="store_true",
                    help="torch.compile each FLUX block (fuses element-wise ops; the first iteration compiles)")
 
@@ -74,7 +84,7 @@ def _add_grpo_args(p):
     g = add_setting_args(p.add_argument_group("grpo"), GRPOSettings)
     g.add_argument("--height", type=int, default=None, help="image height (model.json default)")
     g.add_argument("--width", type=int, default=None)
-    g.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per evaluation")
+    add_eval_prompts(g)
     g.add_argument("--ema-decay", type=float, default=0.0,
                    help="keep an EMA of the policy with at most this decay (0: none): it is nft's old policy "
                         "(it samples the rollouts) and the policy the held-out evaluation scores; checkpointed")

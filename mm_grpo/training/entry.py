@@ -12,6 +12,9 @@ from mm_grpo.checkpoint.lock import RunFolderLocked
 from mm_grpo.parallel.state import end_process_groups
 from mm_grpo.training import run_guard
 
+# How long a process that leaves its error line to its launch's speaker waits before it exits.
+QUIET_EXIT_GRACE_S = 10.0
+
 
 def train_and_report(run, report):
     """`run.train()`; then `report(history, seconds)` on the last rank (it holds the loss of the
@@ -23,7 +26,16 @@ def train_and_report(run, report):
     return history
 
 
-def _fail(message: str, status: int, hard: bool = False):
+def speaks_for_launch() -> bool:
+    """Whether this process speaks for its launch: torchrun's local rank 0 (one torchrun per node),
+    or a process not started by torchrun."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def _fail(message: str, status: int, hard: bool = False, quiet: bool = False):
+    if quiet:  # the launch's speaker prints the same line; torchrun stops the others once one exits,
+        time.sleep(QUIET_EXIT_GRACE_S)  # so let it exit first (its status is then the one reported)
+        sys.exit(status)
     line = f"mm-grpo: error: {message}"
     print(line, file=sys.stderr, flush=True)
     if os.environ.get("MM_GRPO_ERROR_FILE"):  # the launch scripts show the first one last (shell/run_trainer.sh)
@@ -35,16 +47,19 @@ def _fail(message: str, status: int, hard: bool = False):
     sys.exit(status)
 
 
-def run_entry(main):
+def run_entry(main, agreed=()):
     """Calls `main()` (under torchrun: dying with the launcher); the errors above end the process
-    with one line naming the problem instead of a traceback on every rank."""
+    with one line naming the problem instead of a traceback on every rank. `agreed`: exception
+    types that `main` raises alike on every rank (checks of the same command line and files, or
+    agreed by a collective): their line is printed once per launch (`speaks_for_launch`), the
+    other processes exit with the same status quietly."""
     run_guard.die_with_launcher()
     try:
         main()
     except (ValueError, FileNotFoundError, RunFolderLocked) as e:
-        _fail(str(e), 2)
+        _fail(str(e), 2, quiet=isinstance(e, agreed) and not speaks_for_launch())
     except run_guard.TrainingStopped as e:
-        _fail(str(e), 3)
+        _fail(str(e), 3, quiet=isinstance(e, agreed) and not speaks_for_launch())
     except RuntimeError as e:
         timeout = run_guard.describe_timeout(e)
         if timeout is None:

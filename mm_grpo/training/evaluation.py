@@ -75,3 +75,13 @@ class Evaluator:
         stats = {"eval/reward_mean": torch.cat(totals).mean().item(),
                  **{f"eval/{k}": v.mean().item() for k, v in values.items()}}
         return EvalResult(stats, list(self.prompts), torch.cat(images), values)
+
+
+def held_out_evaluator(prompts: List[str], schedule, dataset_param: dict, channels: int, device=None) -> Evaluator:
+    """A GRPO run's held-out evaluation: `prompts` x `eval_samples_per_prompt` (data.json's
+    dataset_param, default 1) from fixed noise (`eval_seed`, default 0: the same for runs with
+    different --seed), with the schedule's conditioner, decoder, rewards, sigmas, image size and guidance."""
+    s = schedule
+    return Evaluator(prompts, s.conditioner, s.decoder, s.reward, s.sigmas, s.s.height, s.s.width, channels,
+                     s.s.guidance_scale, dataset_param.get("eval_samples_per_prompt", 1),
+                     seed=dataset_param.get("eval_seed", 0), device=device)

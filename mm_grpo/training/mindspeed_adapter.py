@@ -7,6 +7,11 @@ iterator does the rollout: `GRPOMicroBatches` yields (trajectory, trained timest
 micro-batches, and when they run out it runs the next rollout, reward and advantages with the
 current policy (the schedule's bare model chunks, inside the DDP wrappers the loop trains).
 
+A rollout whose rewards are not all finite is skipped as mm-grpo's own trainer skips an
+iteration: nothing of it is trained. Here the iterator rolls out again (the next prompts, the
+next rollout index) before Megatron's step sees a micro-batch, so no optimizer step, LR step or
+checkpoint comes of it; `--max-skipped-iterations` of them in a row stop the run (`SkipGuard`).
+
 Megatron's `--global-batch-size` counts micro-batch rows per optimizer step: it must be
 (generations per update) x (trained steps per sample) with the same `--micro-batch-size`.
 The rollout runs inside the first `forward_step` of a step, so every rank of the pipeline group
@@ -17,8 +22,10 @@ import collections
 import functools
 
 import torch
+import torch.distributed as dist
 
 from mm_grpo.parallel.pipeline import FORWARD_KEYS
+from mm_grpo.training.run_guard import SkipGuard
 
 # Rollout statistics logged with each micro-batch's loss (Megatron logs the loss dictionary).
 LOGGED_ROLLOUT_STATS = ("reward/mean", "reward/std", "adv/abs_max")
@@ -26,24 +33,37 @@ LOGGED_ROLLOUT_STATS = ("reward/mean", "reward/std", "adv/abs_max")
 
 class GRPOMicroBatches:
     """A Megatron data iterator over GRPO micro-batches of `schedule`; `iteration` counts
-    rollouts (the first is `start_iteration`), `stats` holds the last rollout's."""
+    rollouts (the first is `start_iteration`, skipped ones included), `stats` holds the last
+    rollout's. `max_skipped`: --max-skipped-iterations (0: roll out again for ever).
+    `before_rollout()` is called before each rollout (the held-out evaluation's hook)."""
 
-    def __init__(self, schedule, prompts, start_iteration: int = 0):
+    def __init__(self, schedule, prompts, start_iteration: int = 0, max_skipped: int = 0, before_rollout=None):
         self.schedule, self.prompts = schedule, prompts
         self.iteration = start_iteration
         self.queue = collections.deque()
         self.stats = {}
+        self.skips = SkipGuard(max_skipped)
+        self.before_rollout = before_rollout
 
     def __iter__(self):
         return self
 
     def __next__(self):
         while not self.queue:
+            if self.before_rollout is not None:
+                self.before_rollout()
             prompts = self.prompts.next_batch(self.schedule.s.prompts_per_iteration)
             updates, self.stats = self.schedule.prepare(self.iteration, prompts)
             self.iteration += 1
+            if self.skips.update(self.iteration, self.stats):  # raises TrainingStopped at the limit
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    limit = self.skips.max_in_a_row or "no limit"
+                    print(f"mm-grpo: warning: rollout {self.iteration} skipped ({self.stats['skip_reason']}), "
+                          f"{self.skips.in_a_row} in a row (--max-skipped-iterations {limit}): rolling out again",
+                          flush=True)
+                continue
             logged = {k: torch.tensor(float(self.stats[k])) for k in LOGGED_ROLLOUT_STATS if k in self.stats}
-            for micro_batches in updates or []:  # a skipped rollout yields nothing
+            for micro_batches in updates:
                 self.queue.extend(dict(mb, logged=logged) for mb in micro_batches)
         return self.queue.popleft()
 

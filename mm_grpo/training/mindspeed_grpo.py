@@ -2,13 +2,18 @@
 
     torchrun $DISTRIBUTED_ARGS -m mm_grpo.training.mindspeed_grpo $GPT_ARGS $MM_ARGS $GRPO_ARGS $OUTPUT_ARGS
 
-MindSpeed-MM's `pretrain` parses Megatron's arguments (plus the GRPO group below), initializes
-Megatron, builds the model through `model_provider` (the `flux` predictor of `--mm-model`,
-made by MindSpeed-MM's `PredictModel`, its `from_pretrained` file loaded by MindSpeed-MM's
-`load_checkpoint`), wraps it in DDP, builds the optimizer and LR schedule, loads `--load`, then
-asks `train_valid_test_datasets_provider` for the data iterator and runs its training loop:
-per step, Megatron's forward-backward over `get_num_microbatches()` micro-batches with
-`forward_step`, the optimizer step, logging and `--save` checkpoints.
+(examples/flux/mindspeed_mm/grpo_flux.sh.) Before `pretrain` starts, every process checks the
+command line and the files it names as `pretrain` will read them (`check_launch`): the config
+blocks, prompt files and rewards, the batch sizes, `--load`'s iteration and the flags this entry
+refuses. A refusal is one line per launch (`run_entry`), before Megatron is initialized.
+
+MindSpeed-MM's `pretrain` then parses Megatron's arguments (plus the GRPO group below),
+initializes Megatron, builds the model through `model_provider` (the `flux` predictor of
+`--mm-model`, made by MindSpeed-MM's `PredictModel`, its `from_pretrained` file loaded by
+MindSpeed-MM's `load_checkpoint`), wraps it in DDP, builds the optimizer and LR schedule, loads
+`--load`, then asks `train_valid_test_datasets_provider` for the data iterator and runs its
+training loop: per step, Megatron's forward-backward over `get_num_microbatches()` micro-batches
+with `forward_step`, the optimizer step, logging and `--save` checkpoints.
 
 GRPO fits that loop through the data iterator (mm_grpo/training/mindspeed_adapter.py): its
 micro-batches are (generation, trained step) rows; when they run out it runs the next rollout,
@@ -19,106 +24,315 @@ the GRPO batch of a rollout is `--global-batch-size / K x --updates-per-rollout`
 and `image_size`; `--mm-data` the prompt files (as mm-grpo's own trainer reads them). Relative
 paths in them are taken from the working directory, as MindSpeed-MM takes them.
 
-Limits: the rollout runs inside the first `forward_step` of a step, where the later pipeline
-stages wait for activations, so pipeline parallelism is refused (mm-grpo's own
-`train_grpo` rolls out between steps and runs it); `--load` resumes at rollout boundaries
-(a multiple of --updates-per-rollout).
+As mm-grpo's own trainer (mm_grpo/training/train_grpo.py), with its pieces: `--save` is locked
+and probed before the first rollout (`run_guard.prepare_save_folder`); a rollout with non-finite
+rewards is skipped, and `--max-skipped-iterations` of them in a row stop the run (exit 3, nothing
+saved of them); `--kl-beta` has its frozen reference, the starting policy; with
+`eval_prompt_file` in `--mm-data`, the held-out evaluation (`Evaluator`) runs before the first
+step, every `--eval-interval` steps (Megatron's flag: this entry has no validation set) and at
+the end.
+
+Refused, each in one line: pipeline parallelism (the rollout runs inside the first
+`forward_step` of a step, while Megatron's schedule has the later stages waiting for that
+micro-batch's activations: they take the rollout's instead and the stages deadlock, measured:
+docs/grpo_schedule.md section 11); mm-grpo's `--ema-decay` /
+`--ema-decay-ramp` (in MindSpeed's parser `--ema-decay` is its fused_ema_adamw optimizer's decay,
+and Megatron's checkpoint could not hold the EMA); `--load` inside a rollout (a multiple of
+--updates-per-rollout), and with --updates-per-rollout > 1 a `--save-interval` or
+`--train-iters` that would end a run or save inside one.
 """
+import argparse
+import contextlib
 import dataclasses
+import io
 import os
+import sys
+from typing import List, Optional
 
 import mm_grpo  # noqa: I001  (first: on Ascend, torch_npu and MindSpeed's Megatron adaptor before Megatron)
 import torch
-from megatron.core import mpu
 from megatron.core.enums import ModelType
 from megatron.training import get_args
 
 import mm_grpo.models.registry  # noqa: F401  (`"model_id": "flux"` in MindSpeed-MM's predictor mapping)
+from mm_grpo.checkpoint.lock import RunFolderLocked
+from mm_grpo.data import PromptStream
 from mm_grpo.grpo.schedule import GRPOSchedule, GRPOSettings
+from mm_grpo.jsonfile import load_json
 from mm_grpo.rewards.combined import CombinedReward
 from mm_grpo.settings import add_setting_args, from_args
-from mm_grpo.training import components
+from mm_grpo.training import components, run_guard
+from mm_grpo.training.arguments import add_eval_prompts, add_max_skipped_iterations
+from mm_grpo.training.entry import run_entry, speaks_for_launch
+from mm_grpo.training.evaluation import held_out_evaluator
+from mm_grpo.training.logging_utils import is_logging_rank
 from mm_grpo.training.mindspeed_adapter import GRPOMicroBatches, grpo_forward_step
+
+OWN_TRAINER = "mm_grpo.training.train_grpo"
+MODEL_BLOCKS = ("predictor", "ae", "text_encoder", "reward")  # what --mm-model must hold
+# Megatron's tracker of the latest checkpoint in a --load folder (megatron/training/checkpointing.py).
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+PP_REFUSAL = (
+    "pipeline parallelism (--pipeline-model-parallel-size {pp}) is not supported by mm_grpo.training.mindspeed_grpo: "
+    "the rollout runs inside the first forward_step of an optimizer step, while Megatron's pipeline schedule has the "
+    "later stages waiting in recv_forward: they take the rollout's activations as a training micro-batch's and the "
+    "stages deadlock (docs/grpo_schedule.md section 11); use --pipeline-model-parallel-size 1, or "
+    f"{OWN_TRAINER}, which runs PP and VPP")
+EMA_REFUSAL = (
+    "{flag}: mm_grpo.training.mindspeed_grpo keeps no EMA of the policy (MindSpeed's parser reads --ema-decay as its "
+    "fused_ema_adamw optimizer's decay, with --optimizer-selection fused_ema_adamw, and Megatron's checkpoint "
+    f"would not hold mm-grpo's EMA): use {OWN_TRAINER} for an EMA policy (nft's old policy, the evaluated weights)")
+
+
+class LaunchRefused(ValueError):
+    """A refusal computed from the command line and the files it names: the same on every process."""
 
 
 def add_grpo_args(parser):
-    """MindSpeed-MM's --mm-data / --mm-model / --mm-tool and the GRPO group (GRPOSettings' flags;
-    the batch sizes and the seed are Megatron's own)."""
+    """MindSpeed-MM's --mm-data / --mm-model / --mm-tool and the GRPO group (GRPOSettings' flags,
+    --max-skipped-iterations, --eval-prompts; the batch sizes and the seed are Megatron's own)."""
     from mindspeed_mm.configs.config import mm_extra_args_provider
-    add_setting_args(mm_extra_args_provider(parser).add_argument_group("grpo"), GRPOSettings)
+    group = add_setting_args(mm_extra_args_provider(parser).add_argument_group("grpo"), GRPOSettings)
+    add_max_skipped_iterations(group)
+    add_eval_prompts(group)
     return parser
 
 
+# --- the checks before `pretrain` ---------------------------------------------------------------
+@dataclasses.dataclass
+class Launch:
+    """What the checks before `pretrain` read and built (the same on every process)."""
+    args: argparse.Namespace  # Megatron's arguments as `pretrain` parses them (before its validation)
+    model_cfg: dict  # --mm-model, paths resolved from the working directory
+    data_cfg: dict  # --mm-data, likewise
+    settings: GRPOSettings
+    prompts: PromptStream
+    eval_prompts: Optional[List[str]]  # the held-out prompts evaluated (--eval-prompts of eval_prompt_file)
+    reward: CombinedReward
+
+
+def parse_launch_args(argv) -> argparse.Namespace:
+    """Megatron's arguments as MindSpeed-MM's `pretrain` parses them (its parser, MindSpeed's and
+    MindSpeed-MM's groups, this entry's), without Megatron's validation. argparse's usage error is
+    printed by the launch's first process only."""
+    from megatron.training.arguments import parse_args
+    from mindspeed.arguments import parse_args_wrapper
+    from mindspeed_mm.arguments import extra_args_provider_decorator
+    command_line = sys.argv
+    sys.argv = [command_line[0], *argv]
+    quiet = contextlib.nullcontext() if speaks_for_launch() else contextlib.redirect_stderr(io.StringIO())
+    try:
+        with quiet:
+            return parse_args_wrapper(parse_args)(extra_args_provider_decorator(add_grpo_args), False)
+    finally:
+        sys.argv = command_line
+
+
+def grpo_settings(args, model_cfg, dp_size: int) -> GRPOSettings:
+    """GRPOSettings from the GRPO flags, Megatron's batch sizes and seed, and model.json's image size."""
+    height, width = model_cfg.get("image_size", [64, 64])
+    if height % 16 or width % 16:
+        raise ValueError(f"--mm-model image_size {height}x{width} must be a multiple of 16 (VAE 8 x packing 2)")
+    if args.global_batch_size is None:
+        raise ValueError("--global-batch-size is required: it counts (generation, trained step) rows per "
+                         "optimizer step")
+    base = from_args(GRPOSettings, args, global_batch_size=args.num_generations, height=height, width=width)
+    k = base.trained_steps_per_sample
+    per_update, rest = divmod(args.global_batch_size, k)
+    if rest:
+        raise ValueError(f"--global-batch-size {args.global_batch_size} counts (generation, trained step) rows "
+                         f"per optimizer step: it must be a multiple of the {k} trained steps per sample")
+    settings = dataclasses.replace(base, global_batch_size=per_update * base.updates_per_rollout)
+    settings.check(dp_size)
+    return settings
+
+
+def resumed_iteration(args) -> int:
+    """The iteration Megatron's `load_checkpoint` resumes at: 0 without --load, with --finetune or
+    for a release checkpoint; else --ckpt-step, or the --load folder's tracker file."""
+    if not args.load or args.finetune:
+        return 0
+    if getattr(args, "ckpt_step", None):
+        return args.ckpt_step
+    tracker = os.path.join(args.load, TRACKER_FILE)
+    if not os.path.isfile(tracker):  # nothing saved yet: Megatron starts from the model's own weights
+        return 0
+    with open(tracker) as f:
+        text = f.read().strip()
+    return int(text) if text.isdigit() else 0
+
+
+def check_rollout_boundary(iteration: int, updates_per_rollout: int):
+    if iteration % updates_per_rollout:
+        raise ValueError(f"--load: iteration {iteration} is inside a rollout (--updates-per-rollout "
+                         f"{updates_per_rollout}); resume from a checkpoint at a rollout boundary")
+
+
+def _check_launch(argv) -> Launch:
+    flags = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    if "--ema-decay-ramp" in flags:  # not in Megatron's parser: refused before argparse's usage error
+        raise ValueError(EMA_REFUSAL.format(flag="--ema-decay-ramp"))
+    args = parse_launch_args(argv)
+    if "--ema-decay" in flags and getattr(args, "optimizer_selection", None) != "fused_ema_adamw":
+        raise ValueError(EMA_REFUSAL.format(flag="--ema-decay"))
+    if args.pipeline_model_parallel_size > 1:
+        raise ValueError(PP_REFUSAL.format(pp=args.pipeline_model_parallel_size))
+    if args.max_skipped_iterations < 0 or args.eval_prompts < 1:
+        raise ValueError(f"need --max-skipped-iterations >= 0 and --eval-prompts >= 1, got "
+                         f"{args.max_skipped_iterations} and {args.eval_prompts}")
+    model_parallel = args.tensor_model_parallel_size * args.context_parallel_size
+    if args.world_size % model_parallel:
+        raise ValueError(f"{args.world_size} processes do not split into tensor x context parallel groups of "
+                         f"{args.tensor_model_parallel_size} x {args.context_parallel_size}")
+    for flag, what in (("--mm-model", "model.json"), ("--mm-data", "data.json"),
+                       ("--mm-tool", "MindSpeed-MM's tools.json, whose profiler settings its pretrain reads")):
+        if not getattr(args, flag[2:].replace("-", "_")):
+            raise ValueError(f"{flag} is required ({what})")
+    cwd = os.getcwd()  # MindSpeed-MM reads relative paths from the working directory
+    model_cfg = components.resolve_paths(load_json(args.mm_model, "--mm-model"), cwd)
+    data_cfg = components.resolve_paths(load_json(args.mm_data, "--mm-data"), cwd)
+    for name in MODEL_BLOCKS:
+        components.block(model_cfg, name, "--mm-model")
+    settings = grpo_settings(args, model_cfg, args.world_size // model_parallel)
+    u, start = settings.updates_per_rollout, resumed_iteration(args)
+    check_rollout_boundary(start, u)
+    for flag, value in (("--save-interval", args.save_interval), ("--train-iters", args.train_iters)):
+        if value and value % u:
+            raise ValueError(f"{flag} {value} must be a multiple of --updates-per-rollout {u}: a run that ends or "
+                             "saves inside a rollout cannot resume it")
+    if settings.kl_beta > 0 and start > 0 and not model_cfg["predictor"].get("from_pretrained"):
+        raise ValueError("--kl-beta > 0 needs the starting weights: predictor.from_pretrained in --mm-model")
+    prompts, eval_prompts = components.prompt_streams(data_cfg, "--mm-data", args.seed)
+    eval_prompts = eval_prompts[:args.eval_prompts] if eval_prompts else None
+    reward = CombinedReward.from_configs(model_cfg["reward"], device=mm_grpo.get_platform().device)
+    components.check_prompts(model_cfg["text_encoder"], reward, prompts.prompts + (eval_prompts or []))
+    return Launch(args, model_cfg, data_cfg, settings, prompts, eval_prompts, reward)
+
+
+def check_launch(argv) -> Launch:
+    """Everything about the launch that can be checked before `pretrain`; LaunchRefused (one line) otherwise."""
+    try:
+        return _check_launch(list(argv))
+    except (ValueError, FileNotFoundError) as e:
+        raise LaunchRefused(str(e)) from None
+
+
+# --- inside `pretrain` ----------------------------------------------------------------------------
 class GRPOInPretrain:
     """The providers and forward step that make MindSpeed-MM's `pretrain` train GRPO. The model
     `model_provider` builds (the one `pretrain` wraps and trains) is the policy the data
     iterator's rollouts run."""
 
-    def __init__(self):
-        self.policy, self.schedule = [], None
+    def __init__(self, launch: Launch):
+        self.launch = launch
+        self.policy, self.schedule, self.data = [], None, None
+        self.lock = None  # rank 0's lock of --save
+        self.evaluator, self.evaluations = None, {}  # Megatron iteration -> held-out stats
 
     def model_provider(self, pre_process=True, post_process=True):
         from mindspeed_mm.models.predictor.predict_model import PredictModel
-        args = get_args()
-        if mpu.get_pipeline_model_parallel_world_size() > 1:
-            raise ValueError("GRPO inside MindSpeed-MM's pretrain rolls out within the first forward_step of a step, "
-                             "which pipeline stages cannot share: use --pipeline-model-parallel-size 1, or mm-grpo's "
-                             "own trainer (mm_grpo.training.train_grpo) for pipeline parallelism")
-        model = PredictModel(args.mm.model.predictor).get_model()
+        model = PredictModel(get_args().mm.model.predictor).get_model()
         self.policy.append(model)
         return model
 
     def train_valid_test_datasets_provider(self, num_samples):
-        """The GRPO data iterator, started where `--load` left off."""
-        args = get_args()
-        # Relative paths from the working directory, as MindSpeed-MM reads them (the predictor's too).
-        model_cfg = components.resolve_paths(args.mm.model.to_dict(), os.getcwd())
-        data_cfg = components.resolve_paths(args.mm.data.to_dict(), os.getcwd())
-        settings = self.settings(args, model_cfg)
+        """The GRPO data iterator, started where `--load` left off, after --save is locked and probed."""
+        args, launch = get_args(), self.launch
+        check_rollout_boundary(args.iteration, launch.settings.updates_per_rollout)  # what Megatron loaded
+        if args.save:
+            self.lock = run_guard.prepare_save_folder(args.save, run_guard.checkpoint_bytes(self.policy))
         device = mm_grpo.get_platform().device
-        prompts, _ = components.prompt_streams(data_cfg, "--mm-data", args.seed)
-        reward = CombinedReward.from_configs(components.block(model_cfg, "reward", "--mm-model"), device=device)
-        text = components.block(model_cfg, "text_encoder", "--mm-model")
-        components.check_prompts(text, reward, prompts.prompts)
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         self.schedule = GRPOSchedule(
-            settings, self.policy, conditioner=components.conditioner(text, device, dtype),
-            decoder=components.decoder(components.block(model_cfg, "ae", "--mm-model"), device, dtype),
-            reward=reward, device=device)
-        if args.iteration % settings.updates_per_rollout:
-            raise ValueError(f"--load: iteration {args.iteration} is inside a rollout (--updates-per-rollout "
-                             f"{settings.updates_per_rollout}); resume from a checkpoint at a rollout boundary")
-        rollout = args.iteration // settings.updates_per_rollout
-        prompts.load_state_dict({"consumed": rollout * settings.prompts_per_iteration})
-        return GRPOMicroBatches(self.schedule, prompts, start_iteration=rollout), None, None
+            launch.settings, self.policy,
+            conditioner=components.conditioner(launch.model_cfg["text_encoder"], device, dtype),
+            decoder=components.decoder(launch.model_cfg["ae"], device, dtype),
+            reward=launch.reward, ref_policy=self.reference_policy(args, device), device=device)
+        if launch.eval_prompts:
+            self.evaluator = held_out_evaluator(launch.eval_prompts, self.schedule, launch.data_cfg["dataset_param"],
+                                                self.policy[0].flux_config.in_channels, device)
+        rollout = args.iteration // launch.settings.updates_per_rollout
+        launch.prompts.load_state_dict({"consumed": rollout * launch.settings.prompts_per_iteration})
+        self.data = GRPOMicroBatches(self.schedule, launch.prompts, start_iteration=rollout,
+                                     max_skipped=args.max_skipped_iterations, before_rollout=self.evaluate_if_due)
+        return self.data, None, None
 
     train_valid_test_datasets_provider.is_distributed = True  # every rank takes part in the rollout
 
-    @staticmethod
-    def settings(args, model_cfg) -> GRPOSettings:
-        """GRPOSettings from the GRPO flags, Megatron's batch sizes and seed, and model.json's image size."""
-        height, width = model_cfg.get("image_size", [64, 64])
-        base = from_args(GRPOSettings, args, global_batch_size=args.num_generations, height=height, width=width)
-        k = base.trained_steps_per_sample
-        per_update, rest = divmod(args.global_batch_size, k)
-        if rest:
-            raise ValueError(f"--global-batch-size {args.global_batch_size} counts (generation, trained step) rows "
-                             f"per optimizer step: it must be a multiple of the {k} trained steps per sample")
-        settings = dataclasses.replace(base, global_batch_size=per_update * base.updates_per_rollout)
-        settings.check(mpu.get_data_parallel_world_size())
-        return settings
+    def reference_policy(self, args, device):
+        """The KL term's frozen reference, the starting policy (as mm-grpo's trainer takes it): at
+        iteration 0 the policy as `pretrain` built and loaded it (predictor.from_pretrained, or a
+        --load release checkpoint); resumed, predictor.from_pretrained, loaded as PredictModel loads it."""
+        if not self.launch.settings.kl_beta > 0:
+            return None
+        from mindspeed_mm.models.common.checkpoint import load_checkpoint
+        from mm_grpo.models.registry import build_model
+        policy = self.policy[0]
+        block = args.mm.model.predictor.to_dict()
+        ref = build_model(**{k: v for k, v in block.items() if k != "from_pretrained"})
+        if args.iteration == 0:
+            ref.load_state_dict(policy.state_dict())
+        else:
+            load_checkpoint(ref, block["from_pretrained"])
+        ref.requires_grad_(False)
+        return [ref.to(device=device, dtype=next(policy.parameters()).dtype)]
+
+    # --- held-out evaluation ---------------------------------------------------------------
+    def evaluate_if_due(self):
+        """Before a rollout: before the first step, and once --eval-interval steps have passed."""
+        if self.evaluator is None:
+            return
+        args = get_args()
+        done = args.curr_iteration
+        if not self.evaluations or done // args.eval_interval > max(self.evaluations) // args.eval_interval:
+            self.evaluate(done)
+
+    def evaluate(self, iteration: int):
+        from megatron.training.global_vars import get_tensorboard_writer
+        stats = self.evaluator(self.policy).stats
+        self.evaluations[iteration] = stats
+        writer = get_tensorboard_writer()  # Megatron's, on its logging rank
+        if writer is not None:
+            for key, value in stats.items():
+                writer.add_scalar(key, value, iteration)
+            writer.flush()  # the last evaluation comes after Megatron's loop flushed its writer
+        if is_logging_rank():
+            print(f"[mm-grpo] held-out evaluation at iteration {iteration}: "
+                  + " | ".join(f"{k} {v:.5g}" for k, v in stats.items()), flush=True)
+
+    def finish(self):
+        """After `pretrain` trained: the last held-out evaluation, and the before / after line."""
+        args = get_args()
+        if self.evaluator is None or not self.evaluations:  # nothing trained (resumed at --train-iters)
+            return
+        if args.train_iters not in self.evaluations:
+            self.evaluate(args.train_iters)
+        first, last = min(self.evaluations), max(self.evaluations)
+        before, after = self.evaluations[first], self.evaluations[last]
+        if is_logging_rank():
+            print(f"[mm-grpo] held-out evaluation ({len(self.evaluator.prompts)} samples, ODE, fixed noise), "
+                  f"iteration {first} -> {last}: "
+                  + "; ".join(f"{k[5:]} {before[k]:.4f} -> {after[k]:.4f}" for k in before), flush=True)
 
     def forward_step(self, data_iterator, model):
         return grpo_forward_step(self.schedule, data_iterator, model)
 
 
 def main():
+    launch = check_launch(sys.argv[1:])
+    grpo = GRPOInPretrain(launch)
     from mindspeed_mm.training import pretrain
-    grpo = GRPOInPretrain()
-    pretrain(grpo.train_valid_test_datasets_provider, grpo.model_provider, ModelType.encoder_or_decoder,
-             grpo.forward_step, extra_args_provider=add_grpo_args,
-             args_defaults={"dataloader_type": "external"})
+    try:
+        pretrain(grpo.train_valid_test_datasets_provider, grpo.model_provider, ModelType.encoder_or_decoder,
+                 grpo.forward_step, extra_args_provider=add_grpo_args,
+                 args_defaults={"dataloader_type": "external"})
+        grpo.finish()
+    finally:
+        if grpo.lock is not None:
+            grpo.lock.release()
 
 
 if __name__ == "__main__":
-    main()
+    # Every refusal below is the same on every process (the same command line and files, or agreed
+    # by a collective): one line per launch.
+    run_entry(main, agreed=(LaunchRefused, RunFolderLocked, run_guard.UnusableSaveFolder, run_guard.TrainingStopped))

@@ -131,7 +131,7 @@ def checkpoint_bytes(chunks) -> int:
     writes = parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_context_parallel_rank() == 0
     local = sum(p.numel() * (p.element_size() + (8 if p.dtype == torch.float32 else 12))
                 for chunk in chunks for p in chunk.parameters()) if writes else 0
-    total = torch.tensor(float(local), dtype=torch.float64)
+    total = torch.tensor(local, dtype=torch.int64)  # not float64: see mm_grpo.parallel.state.STAT_DTYPE
     if dist.get_world_size() > 1 and dist.get_backend() == "gloo":
         dist.all_reduce(total)
     elif dist.get_world_size() > 1:  # NCCL / HCCL: an accelerator tensor

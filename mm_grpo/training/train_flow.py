@@ -24,6 +24,7 @@ from mm_grpo.data.image_captions import ImageCaptionDataset
 from mm_grpo.flow import FlowMatchingSettings, flow_matching_loss, noisy_latents, sample_sigmas
 from mm_grpo.parallel import initialize_parallel
 from mm_grpo.pipeline.latents import pack_latents
+from mm_grpo.pipeline.vae import encode_latents
 from mm_grpo.seeding import Stream, seeded_generator
 from mm_grpo.settings import add_setting_args, from_args, setting
 from mm_grpo.training import arguments, components
@@ -87,9 +88,7 @@ class FeatureEncoder:
         todo = [i for i in dict.fromkeys(indices) if i not in self.latent_cache]
         found = {}
         if todo:
-            images = self.dataset.images(todo).to(self.device, self.vae.dtype) * 2 - 1
-            z = self.vae.encode(images).latent_dist.mode()
-            z = (z - self.vae.config.shift_factor) * self.vae.config.scaling_factor
+            z = encode_latents(self.vae, self.dataset.images(todo))
             found = dict(zip(todo, pack_latents(z).float()))
             if self.cache:
                 self.latent_cache.update(found)

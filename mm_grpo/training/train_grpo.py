@@ -28,7 +28,7 @@ from mm_grpo.training import components
 from mm_grpo.training.arguments import parse_args
 from mm_grpo.training.ema import PolicyEMA
 from mm_grpo.training.entry import run_entry, train_and_report
-from mm_grpo.training.evaluation import Evaluator
+from mm_grpo.training.evaluation import held_out_evaluator
 from mm_grpo.training.logging_utils import is_logging_rank
 from mm_grpo.training.loop import TrainingRun, optimizer_step
 from mm_grpo.training.trainable import build_trainable, parallel_config, run_configs
@@ -97,7 +97,7 @@ class GRPORun(TrainingRun):
             decoder=components.decoder(components.block(self.model_cfg, "ae", "--mm-model"), self.device, dtype),
             reward=self.reward, ref_policy=ref_policy, device=self.device,
             old_policy=self.ema.modules if self.ema else None)
-        self.evaluator = self._evaluator(height, width)
+        self.evaluator = self._evaluator()
         self.train_rewards = []  # reward/mean per iteration from iteration 0, across resumes (the figures)
         if self.model.resume:
             extra = self.resume()
@@ -110,15 +110,11 @@ class GRPORun(TrainingRun):
                                      "--ema-decay); the run could not continue exactly")
                 self.ema.load_state_dict(extra["ema"])
 
-    def _evaluator(self, height, width):
-        """Held-out prompts x `eval_samples_per_prompt` (data.json, default 1) from fixed noise
-        (`eval_seed`, default 0: the same for runs with different --seed)."""
+    def _evaluator(self):
         if not self.eval_prompts:
             return None
-        s, params = self.schedule, self.data_cfg["dataset_param"]
-        return Evaluator(self.eval_prompts[:self.args.eval_prompts], s.conditioner, s.decoder, s.reward, s.sigmas,
-                         height, width, self.flux_config.in_channels, self.settings.guidance_scale,
-                         params.get("eval_samples_per_prompt", 1), seed=params.get("eval_seed", 0), device=self.device)
+        return held_out_evaluator(self.eval_prompts[:self.args.eval_prompts], self.schedule,
+                                  self.data_cfg["dataset_param"], self.flux_config.in_channels, self.device)
 
     # --- what the loop calls ---------------------------------------------------------------
     def step(self, iteration):

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from mm_grpo.models.flux import FluxConfig
 from mm_grpo.parallel import ParallelConfig, initialize_parallel
 from mm_grpo.parallel.pipeline import forward_backward
+from mm_grpo.parallel.state import STAT_DTYPE
 from tests.distributed.worker import check
 from tests.testbed import install_standins
 from tests.utils import gather_tp, make_inputs, random_reference, reference_output, rel_err
@@ -56,7 +57,7 @@ def predict_model_chunks(block):
 
 
 def _world_max(value):
-    t = torch.tensor(float(value), dtype=torch.float64)
+    t = torch.tensor(float(value), dtype=STAT_DTYPE)  # not float64: MindSpeed leaves that unreduced
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
@@ -210,7 +211,7 @@ def sora_pp2_flow_step_matches_mm_grpo():
 
 
 def _world_sum(value):
-    t = torch.tensor(float(value), dtype=torch.float64)
+    t = torch.tensor(float(value), dtype=STAT_DTYPE)  # not float64: MindSpeed leaves that unreduced
     dist.all_reduce(t)
     return t.item()
 

@@ -14,6 +14,7 @@ from mm_grpo.models.flux.hf_weights import load_hf_weights
 from mm_grpo.parallel import ParallelConfig, initialize_parallel
 from mm_grpo.parallel.pipeline import (build_model_chunks, forward_backward, load_hf_weights_into_chunks,
                                        make_velocity_fn)
+from mm_grpo.parallel.state import STAT_DTYPE
 from tests.distributed.worker import check
 from tests.utils import gather_tp, make_inputs, random_reference, reference_output, rel_err
 
@@ -72,7 +73,7 @@ def _average_over_dp_cp(chunks):
 
 
 def _world_max(value):
-    t = torch.tensor(float(value), dtype=torch.float64)
+    t = torch.tensor(float(value), dtype=STAT_DTYPE)  # not float64: MindSpeed leaves that unreduced
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 

@@ -1,18 +1,35 @@
 #!/bin/bash
 # FLUX.1 flow-matching training with MindSpeed-MM's own pretrain_sora.py (precomputed features),
-# in MindSpeed-MM's launch style. Run from a MindSpeed-MM checkout with mm-grpo installed:
-#   MINDSPEED_MM=/path/to/MindSpeed-MM bash examples/flux/mindspeed_mm/pretrain_flux.sh
+# in MindSpeed-MM's launch style (docs/mindspeed_mm.md). With mm-grpo installed:
+#
+#   1. the features, from an image-caption folder (metadata.jsonl + images) and the FLUX pipeline:
+#      python -m mm_grpo.pipeline.write_features --pipeline /models/FLUX.1-dev --data DATA_DIR \
+#          --out $MINDSPEED_MM/flux_features --resolution 1024 --device npu
+#      (one .pt per sample: "video" VAE latents [16, H/8, W/8], scaled and shifted; "prompt_ids"
+#      [T5 hidden states [512, 4096], pooled CLIP [768]]; "prompt_mask"; listed in data.jsonl.
+#      feature_data.json reads ./flux_features at 1024 x 1024; the predictor's text_len is 512.)
+#   2. MINDSPEED_MM=/path/to/MindSpeed-MM bash examples/flux/mindspeed_mm/pretrain_flux.sh
+#
 # `python -m mm_grpo.run_mindspeed_mm` registers "model_id": "flux" before the script runs.
-# Weights: --load an `mm-convert FluxConverter hf_to_mm` output at this TP / PP (or
+# Weights: LOAD_PATH, an `mm-convert FluxConverter hf_to_mm` output at this TP / PP (or
 # predictor.from_pretrained: one diffusers diffusion_pytorch_model.safetensors file).
-# Features (feature_data.json): one .pt per sample with "video" (FLUX VAE latents [16, H/8, W/8],
-# scaled and shifted) and "prompt_ids" ([T5 hidden states [512, 4096], pooled CLIP [768]]).
+# Settings (environment variables; relative paths are relative to $MINDSPEED_MM, where it runs):
+#   MINDSPEED_MM   the MindSpeed-MM checkout (required)
+#   MM_MODEL MM_DATA MM_TOOL   model.json, data.json (pretrain_model.json, feature_data.json here)
+#                  and MindSpeed-MM's tools.json (its profiler settings)
+#   LOAD_PATH SAVE_PATH LOG_DIR   checkpoint to start from, where to save, where the log goes
+#   NPUS_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT   torchrun (multi-node)
+#   TP PP CP MBS GRAD_ACC_STEP TRAIN_ITERS   parallel sizes (PP: one pipeline_num_layers entry per
+#                  stage), micro-batch, gradient accumulation, iterations (5000)
+#   PRECISION      bf16 (default) | fp32;  DIST_BACKEND  nccl (default) | gloo
+#   MM_GRPO_ASCEND the Ascend folder whose CANN set_env.sh is sourced (/usr/local/Ascend)
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # CANN first, as every MindSpeed-MM script does (older installs: the ascend-toolkit path);
 # MM_GRPO_ASCEND is the Ascend folder, as in shell/launch_env.sh.
 ASCEND_DIR=${MM_GRPO_ASCEND:-/usr/local/Ascend}
 if [ -f "$ASCEND_DIR/cann/set_env.sh" ]; then source "$ASCEND_DIR/cann/set_env.sh"
 else source "$ASCEND_DIR/ascend-toolkit/set_env.sh"; fi
+set -euo pipefail  # after CANN's script, which reads unset variables; pipefail: torchrun's status, not tee's
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 export ASCEND_SLOG_PRINT_TO_STDOUT=0
 export ASCEND_GLOBAL_LOG_LEVEL=3
@@ -28,6 +45,7 @@ MASTER_PORT=${MASTER_PORT:-6000}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 WORLD_SIZE=$(($NPUS_PER_NODE*$NNODES))
+DIST_BACKEND=${DIST_BACKEND:-nccl}  # as MindSpeed-MM's scripts pass it: HCCL on Ascend; gloo on a CPU
 
 TP=${TP:-1}
 PP=${PP:-2}   # pretrain_model.json's pipeline_num_layers has one entry per stage
@@ -40,8 +58,19 @@ GBS=$(($MBS*$GRAD_ACC_STEP*$DP))
 MINDSPEED_MM=${MINDSPEED_MM:?set MINDSPEED_MM to your MindSpeed-MM checkout}
 MM_DATA=${MM_DATA:-$HERE/feature_data.json}
 MM_MODEL=${MM_MODEL:-$HERE/pretrain_model.json}
+MM_TOOL=${MM_TOOL:-$MINDSPEED_MM/mindspeed_mm/tools/tools.json}  # MindSpeed-MM's profiler settings; pretrain reads them
 LOAD_PATH=${LOAD_PATH:-"ckpt/flux_dev_tp${TP}_pp${PP}"}
 SAVE_PATH=${SAVE_PATH:-"save/flux_pretrain"}
+LOG_DIR=${LOG_DIR:-logs}
+TRAIN_ITERS=${TRAIN_ITERS:-5000}
+# bf16 (Megatron's --bf16) or fp32; a CPU takes fp32 only (megatron-core's linear layers restore
+# CUDA's autocast in their backward, not the CPU's), with "dtype": "fp32" in MM_MODEL's predictor
+PRECISION=${PRECISION:-bf16}
+case "$PRECISION" in
+    bf16) PRECISION_ARG=--bf16 ;;
+    fp32) PRECISION_ARG= ;;
+    *) echo "pretrain_flux.sh: PRECISION must be bf16 or fp32, got '$PRECISION'" >&2; exit 2 ;;
+esac
 
 DISTRIBUTED_ARGS="
     --nproc_per_node $NPUS_PER_NODE \
@@ -70,16 +99,18 @@ GPT_ARGS="
     --lr-warmup-init 0 \
     --lr-warmup-iters 0 \
     --clip-grad 1.0 \
-    --train-iters 5000 \
+    --train-iters ${TRAIN_ITERS} \
     --no-gradient-accumulation-fusion \
     --no-load-optim \
     --no-load-rng \
-    --bf16 \
+    $PRECISION_ARG \
+    --distributed-backend ${DIST_BACKEND} \
 "
 
 MM_ARGS="
     --mm-data $MM_DATA \
-    --mm-model $MM_MODEL
+    --mm-model $MM_MODEL \
+    --mm-tool $MM_TOOL
 "
 
 OUTPUT_ARGS="
@@ -93,10 +124,10 @@ OUTPUT_ARGS="
 "
 
 logfile=$(date +%Y%m%d)_$(date +%H%M%S)
-mkdir -p logs
 cd "$MINDSPEED_MM"
+mkdir -p "$LOG_DIR"
 torchrun $DISTRIBUTED_ARGS -m mm_grpo.run_mindspeed_mm pretrain_sora.py \
     $GPT_ARGS \
     $MM_ARGS \
     $OUTPUT_ARGS \
-    2>&1 | tee logs/train_${logfile}.log
+    2>&1 | tee "$LOG_DIR/train_${logfile}.log"

@@ -11,6 +11,7 @@ reads the previous stage's tensor (`set_input_tensor`) and uses the inputs only 
 token ids, and one that is not the last returns the packed stage tensor.
 """
 import contextlib
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,7 @@ from mm_grpo.models.flux.config import FluxConfig
 from mm_grpo.models.flux.embeddings import TimeTextEmbedding, rope_tables
 from mm_grpo.models.flux.layers import Modulation, layer_norm, modulate
 from mm_grpo.parallel.ulysses import SequenceShard
+from mm_grpo.platform.adaptor import torch_compile_replaced
 
 
 def check_parallel_sizes(config: FluxConfig, tp: int, cp: int = 1):
@@ -62,7 +64,19 @@ def transformer_config(config: FluxConfig, params_dtype=torch.float32, **overrid
         # The unbatched path sends the two directions on two different groups.
         batch_p2p_comm=pp != 2)
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return TransformerConfig(**{**_field_defaults(), **kwargs})
+
+
+def _field_defaults() -> dict:
+    """Every TransformerConfig field at its default. Passed in full because MindSpeed's adaptor (on
+    Ascend) fills the fields a caller leaves out from the command line's Megatron arguments
+    (`TransformerConfig.__init__` patched by MegatronBasicFeature): under MindSpeed-MM's `pretrain`
+    that turned on overlap_p2p_comm, the fusions and one query group, none of which FLUX's config
+    says. Passing every field keeps the config FLUX's; MindSpeed's own flags still arrive as the extra
+    attributes its patched modules read (docs/adaptor.md)."""
+    return {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(TransformerConfig)
+            if f.init and (f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)}
 
 
 class FinalLayer(nn.Module):
@@ -88,6 +102,9 @@ class FluxTransformer(MegatronModule):
     def __init__(self, config: FluxConfig, tconfig: TransformerConfig = None,
                  pre_process: bool = True, post_process: bool = True, block_range=None,
                  vp_stage=None):
+        if config.compile_blocks and (replaced_by := torch_compile_replaced()):
+            raise ValueError(f"compile_blocks (--compile-blocks): {replaced_by} replaced torch.compile with "
+                             "a function that compiles nothing, so the blocks would run eager; leave it off")
         tconfig = tconfig or transformer_config(config)
         super().__init__(tconfig)
         self.flux_config = config

@@ -13,6 +13,13 @@ double-stream blocks, while PredictModel's counts the blocks `pipeline_num_layer
 So a block with `pipeline_num_layers` gives `num_layers` as all blocks (double + single,
 57 for FLUX.1) and the double-stream count is `num_layers - num_single_layers`; a block
 without it uses diffusers' meaning.
+
+MindSpeed-MM's argument validation (`mindspeed_mm/patchs/validate_args_patch.py`) sets
+Megatron's `--num-attention-heads` from the block's `num_heads` and `--hidden-size` from
+`num_heads x head_dim`, the names of its own MMDiT (HunyuanVideo's: 24 x 128, as FLUX.1's). So
+the block may name the attention heads and their width MindSpeed-MM's way (`num_heads`,
+`head_dim`) or diffusers' way (`num_attention_heads`, `attention_head_dim`); named both ways,
+they must agree. MindSpeed-MM's scripts need MindSpeed-MM's names (`mindspeed_mm_block_error`).
 """
 import os
 from typing import Mapping
@@ -37,7 +44,9 @@ _STAGE = ("pre_process", "post_process", "global_layer_idx")  # PredictModel's, 
 _BLOCK = ("model_id", "from_pretrained", "dtype", "pipeline_num_layers")
 # Read by the SoRAModel interface only (names as MindSpeed-MM's wandit block has them).
 _SORA = ("text_len", "guidance_scale")
-KNOWN_KEYS = (*DIFFUSERS_FIELDS, *_RUNTIME, *_STAGE, *_BLOCK, *_SORA)
+# MindSpeed-MM's name -> diffusers' (see the module docstring).
+MINDSPEED_MM_NAMES = {"num_heads": "num_attention_heads", "head_dim": "attention_head_dim"}
+KNOWN_KEYS = (*DIFFUSERS_FIELDS, *MINDSPEED_MM_NAMES, *_RUNTIME, *_STAGE, *_BLOCK, *_SORA)
 _DTYPES = {"fp32": False, "float32": False, "bf16": True, "bfloat16": True}  # -> bf16 autocast
 # diffusers names that never occur among the Megatron model's own parameter names
 _DIFFUSERS_ONLY = ("transformer_blocks.", "single_transformer_blocks.", "norm_out.", "proj_out.")
@@ -87,6 +96,11 @@ def flux_config_from_block(block: dict, staged: bool = False) -> FluxConfig:
     if block.get("dtype") is not None:
         runtime["bf16"] = runtime.get("bf16", False) or _bf16(block["dtype"])
     arch = {k: block[k] for k in DIFFUSERS_FIELDS if k in block}
+    for ours, theirs in MINDSPEED_MM_NAMES.items():
+        if ours in block:
+            if arch.setdefault(theirs, block[ours]) != block[ours]:
+                raise ValueError(f"predictor block: {ours} = {block[ours]} and {theirs} = {block[theirs]} are "
+                                 f"MindSpeed-MM's and diffusers' names for the same number; give one, or equal values")
     if arch:
         return FluxConfig(**dict(arch, num_layers=_double_blocks(block, staged)), **runtime)
     path = block.get("from_pretrained")
@@ -98,6 +112,18 @@ def flux_config_from_block(block: dict, staged: bool = False) -> FluxConfig:
         return FluxConfig.from_diffusers_config(transformer_dir(path), **runtime)
     raise ValueError("flux predictor block: give the architecture inline (diffusers' config.json fields: "
                      f"{', '.join(DIFFUSERS_FIELDS)}) or a from_pretrained folder holding its config.json")
+
+
+def mindspeed_mm_block_error(block: dict):
+    """Why MindSpeed-MM's argument validation cannot read a flux `block` (it multiplies
+    `num_heads` by `head_dim`, default 1, else a missing --num-attention-heads by it); None if it can."""
+    missing = [k for k in MINDSPEED_MM_NAMES if k not in block]
+    if not missing:
+        return None
+    value = {k: block.get(theirs, getattr(FluxConfig, theirs)) for k, theirs in MINDSPEED_MM_NAMES.items()}
+    return (f"the flux predictor block lacks {' and '.join(missing)}: MindSpeed-MM sets --num-attention-heads "
+            f"from num_heads and --hidden-size from num_heads x head_dim (FLUX.1: 24 x 128 = 3072); add "
+            + ", ".join(f'"{k}": {value[k]}' for k in missing))
 
 
 def _block_range(global_layer_idx, num_layers):
@@ -184,7 +210,9 @@ class FluxPredictor(FluxTransformer):
         return unpack_latents(out, h * VAE_SCALE_FACTOR, w * VAE_SCALE_FACTOR).reshape(shape)
 
     # MindSpeed-MM's pipeline contract (pretrain_sora.py / SoRAModel under PP): the tensors that
-    # travel between stages are [stage tensor, latents, noised latents, timesteps, noise].
+    # travel between stages are [stage tensor, latents, noised latents, timesteps, noise]. Their
+    # dtypes are the ones sent, whatever --bf16 makes of the weights (Float16Module): the stage
+    # tensor in the pipeline dtype `forward` packs it in, the rest in fp32, whatever the features'.
     def initialize_pipeline_tensor_shapes(self):
         from megatron.training import get_args
         args = get_args()
@@ -193,16 +221,16 @@ class FluxPredictor(FluxTransformer):
             raise ValueError("predictor block: pipeline parallelism needs text_len (the T5 sequence length)")
         h, w = pre.max_height // VAE_SCALE_FACTOR, pre.max_width // VAE_SCALE_FACTOR
         channels = self.flux_config.in_channels // 4
-        mbs, dtype = args.micro_batch_size, args.params_dtype
+        mbs = args.micro_batch_size
         seq = self.text_len + (h // 2) * (w // 2) + 1
-        latent = {"shape": (mbs, channels, h, w), "dtype": dtype}
-        return [{"shape": (seq, mbs, self.flux_config.hidden_size), "dtype": dtype}, latent, latent,
-                {"shape": (mbs,), "dtype": torch.float32}, latent]
+        latent = {"shape": (mbs, channels, h, w), "dtype": torch.float32}
+        return [{"shape": (seq, mbs, self.flux_config.hidden_size), "dtype": self.config.pipeline_dtype}, latent,
+                latent, {"shape": (mbs,), "dtype": torch.float32}, latent]
 
     @staticmethod
     def pipeline_set_next_stage_tensor(input_list, output_list, extra_kwargs=None):
         latents, noised_latents, timesteps, noise, _ = input_list
-        return [output_list, latents, noised_latents, timesteps.float(), noise]
+        return [output_list, latents.float(), noised_latents.float(), timesteps.float(), noise.float()]
 
     @staticmethod
     def pipeline_set_prev_stage_tensor(input_tensor_list, extra_kwargs):

@@ -1,0 +1,130 @@
+#!/bin/bash
+# GRPO of FLUX.1 inside MindSpeed-MM's own training loop (its `pretrain`), in MindSpeed-MM's launch
+# style: mm_grpo.training.mindspeed_grpo (docs/grpo_schedule.md section 11). Run from a MindSpeed-MM
+# checkout with mm-grpo installed:
+#   MINDSPEED_MM=/path/to/MindSpeed-MM PIPELINE_DIR=/models/FLUX.1-dev HPS_PATH=/models/HPS_v2.1_compressed.pt \
+#   PROMPT_FILE=prompts.txt bash examples/flux/mindspeed_mm/grpo_flux.sh [more arguments of the entry]
+# Weights: LOAD_PATH, an `mm-convert FluxConverter hf_to_mm` output at this TP and PP 1 (the entry
+# refuses pipeline parallelism), or predictor.from_pretrained in MM_MODEL (one diffusers
+# diffusion_pytorch_model.safetensors file); to resume a run, LOAD_PATH=$SAVE_PATH.
+# MM_MODEL (grpo_model.json): the VAE and text encoders of $PIPELINE_DIR and the rewards ($HPS_PATH);
+# MM_DATA (grpo_data.json): $PROMPT_FILE, and $EVAL_PROMPT_FILE for the held-out evaluation (unset: none).
+# Megatron's --global-batch-size counts (generation, trained step) rows per optimizer step:
+# GBS = G generations x DP x K trained steps per sample (DanceGRPO trains 0.6 of the 15 SDE steps of
+# 16: K = 9); a GBS that is no multiple of the real K is refused in one line naming it.
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# CANN first, as every MindSpeed-MM script does (older installs: the ascend-toolkit path);
+# MM_GRPO_ASCEND is the Ascend folder, as in shell/launch_env.sh.
+ASCEND_DIR=${MM_GRPO_ASCEND:-/usr/local/Ascend}
+if [ -f "$ASCEND_DIR/cann/set_env.sh" ]; then source "$ASCEND_DIR/cann/set_env.sh"
+else source "$ASCEND_DIR/ascend-toolkit/set_env.sh"; fi
+set -euo pipefail  # after CANN's script, which reads unset variables
+source "$HERE/../../../shell/run_trainer.sh"  # run_trainer: the entry's exit status and one-line error last
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+export ASCEND_SLOG_PRINT_TO_STDOUT=0
+export ASCEND_GLOBAL_LOG_LEVEL=3
+export TASK_QUEUE_ENABLE=2
+export COMBINED_ENABLE=1
+export CPU_AFFINITY_CONF=1
+export HCCL_CONNECT_TIMEOUT=1200
+export PYTORCH_NPU_ALLOC_CONF=expandable_segments:True
+
+NPUS_PER_NODE=${NPUS_PER_NODE:-8}
+MASTER_ADDR=${MASTER_ADDR:-localhost}
+MASTER_PORT=${MASTER_PORT:-6000}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+WORLD_SIZE=$(($NPUS_PER_NODE*$NNODES))
+DIST_BACKEND=${DIST_BACKEND:-nccl}  # MindSpeed runs it as HCCL on Ascend; gloo on a CPU
+
+TP=${TP:-1}
+CP=${CP:-1}
+DP=$(($WORLD_SIZE/$TP/$CP))
+MBS=${MBS:-1}
+G=${G:-12}           # generations per prompt
+STEPS=${STEPS:-16}   # denoising steps of a rollout
+K=${K:-9}            # trained steps per sample (above)
+GBS=${GBS:-$(($G*$DP*$K))}  # one prompt per data-parallel rank per optimizer step
+TRAIN_ITERS=${TRAIN_ITERS:-300}
+LR=${LR:-1e-5}
+SEED=${SEED:-42}
+KL_BETA=${KL_BETA:-0}
+
+MINDSPEED_MM=${MINDSPEED_MM:?set MINDSPEED_MM to your MindSpeed-MM checkout}
+MM_MODEL=${MM_MODEL:-$HERE/grpo_model.json}
+MM_DATA=${MM_DATA:-$HERE/grpo_data.json}
+MM_TOOL=${MM_TOOL:-$MINDSPEED_MM/mindspeed_mm/tools/tools.json}
+export EVAL_PROMPT_FILE=${EVAL_PROMPT_FILE:-}
+LOAD_PATH=${LOAD_PATH:-"ckpt/flux_dev_tp${TP}_pp1"}
+SAVE_PATH=${SAVE_PATH:-"save/flux_grpo"}
+TENSORBOARD_DIR=${TENSORBOARD_DIR:-"tensorboard/flux_grpo"}
+LOG_DIR=${LOG_DIR:-logs}
+
+DISTRIBUTED_ARGS="
+    --nproc_per_node $NPUS_PER_NODE \
+    --nnodes $NNODES \
+    --node_rank $NODE_RANK \
+    --master_addr $MASTER_ADDR \
+    --master_port $MASTER_PORT
+"
+
+GPT_ARGS="
+    --tensor-model-parallel-size ${TP} \
+    --pipeline-model-parallel-size 1 \
+    --context-parallel-size ${CP} \
+    --context-parallel-algo ulysses_cp_algo \
+    --micro-batch-size ${MBS} \
+    --global-batch-size ${GBS} \
+    --lr ${LR} \
+    --min-lr 0 \
+    --adam-beta1 0.9 \
+    --adam-beta2 0.999 \
+    --adam-eps 1e-8 \
+    --lr-decay-style constant \
+    --weight-decay 1e-4 \
+    --lr-warmup-iters 0 \
+    --clip-grad 1.0 \
+    --train-iters ${TRAIN_ITERS} \
+    --seed ${SEED} \
+    --distributed-backend ${DIST_BACKEND} \
+    --no-gradient-accumulation-fusion \
+"
+
+MM_ARGS="
+    --mm-data $MM_DATA \
+    --mm-model $MM_MODEL \
+    --mm-tool $MM_TOOL
+"
+
+GRPO_ARGS="
+    --num-generations ${G} \
+    --num-inference-steps ${STEPS} \
+    --sampler ${SAMPLER:-dance_sde} \
+    --policy-loss ${POLICY_LOSS:-ppo} \
+    --timestep-fraction ${TIMESTEP_FRACTION:-0.6} \
+    --clip-range ${CLIP:-1e-4} \
+    --kl-beta ${KL_BETA} \
+    --max-skipped-iterations ${MAX_SKIPPED:-10} \
+    --eval-prompts ${EVAL_PROMPTS:-8} \
+"
+
+OUTPUT_ARGS="
+    --log-interval 1 \
+    --save-interval ${SAVE_INTERVAL:-50} \
+    --eval-interval ${EVAL_INTERVAL:-50} \
+    --load $LOAD_PATH \
+    --save $SAVE_PATH \
+    --tensorboard-dir $TENSORBOARD_DIR \
+    --ckpt-format torch \
+"
+
+logfile=$(date +%Y%m%d)_$(date +%H%M%S)
+cd "$MINDSPEED_MM"
+mkdir -p "$LOG_DIR"
+# shellcheck disable=SC2086
+run_trainer "$LOG_DIR/grpo_${logfile}.log" torchrun $DISTRIBUTED_ARGS -m mm_grpo.training.mindspeed_grpo \
+    $GPT_ARGS \
+    $MM_ARGS \
+    $GRPO_ARGS \
+    $OUTPUT_ARGS \
+    "$@"

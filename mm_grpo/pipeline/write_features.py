@@ -1,0 +1,142 @@
+"""Write MindSpeed-MM's feature files for FLUX from an image-caption folder, with a FLUX pipeline's
+VAE and text encoders: what MindSpeed-MM's `pretrain_sora.py` reads with `"dataset_type": "feature"`
+(examples/flux/mindspeed_mm/pretrain_flux.sh).
+
+    python -m mm_grpo.pipeline.write_features --pipeline /models/FLUX.1-dev --data DATA_DIR \
+        --out $MINDSPEED_MM/flux_features [--resolution 1024] [--max-sequence-length 512] [--device npu]
+
+DATA_DIR is an image-caption folder (`metadata.jsonl` with `file_name` and `text` per line, and the
+images: mm_grpo/data/image_captions.py). OUT gets the layout of MindSpeed-MM's own feature extractor
+(mindspeed_mm/tools/feature_extraction/get_sora_feature.py), read by its FeatureDataset:
+
+    OUT/data.jsonl                 one line per image: its metadata row, with "file": "features/<name>.pt"
+    OUT/features/<name>.pt         {"video": latents [16, H/8, W/8] (the VAE's posterior mode, shifted and scaled),
+                                    "prompt_ids": [T5 hidden states [L, 4096], pooled CLIP [768]],
+                                    "prompt_mask": [T5 attention mask [L], CLIP attention mask [77]]}
+
+<name> is the image's path in DATA_DIR with "/" and "." as "_". A data.json for it names
+`"data_path": "OUT/data.jsonl"`, `"data_folder": "OUT"` and the image size as `max_height` /
+`max_width` (examples/flux/mindspeed_mm/feature_data.json); the predictor block's `text_len` is
+--max-sequence-length. The folder is written under a temporary name and renamed when complete.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from mm_grpo.checkpoint.atomic import atomic_dir
+from mm_grpo.data.image_captions import METADATA, ImageCaptionDataset
+from mm_grpo.pipeline.latents import latent_size
+from mm_grpo.pipeline.text import MAX_SEQUENCE_LENGTH, TextEncoders
+from mm_grpo.pipeline.vae import encode_latents, load_vae
+
+PROG = "mm_grpo.pipeline.write_features"
+FEATURES = "features"  # the subfolder and the data.jsonl paths of MindSpeed-MM's extractor
+DATA_LIST = "data.jsonl"
+# MindSpeed-MM's FeatureDataset keys (mindspeed_mm/data/data_utils/constants.py).
+FILE, VIDEO, PROMPT_IDS, PROMPT_MASK = "file", "video", "prompt_ids", "prompt_mask"
+
+
+def feature_name(image: str) -> str:
+    """The feature file of an image path relative to the data folder: images/0.png -> images_0_png.pt."""
+    return image.replace(os.sep, "_").replace(".", "_") + ".pt"
+
+
+def image_size(dataset: ImageCaptionDataset, resolution):
+    """(H, W) every feature will have; before any model is loaded, ValueError if that is not one
+    size FLUX can take, OSError naming an image that is not one."""
+    from PIL import Image
+    sizes = {}
+    for path in dataset.files:
+        with Image.open(path) as im:  # reads the header only
+            sizes.setdefault((im.height, im.width), path)
+    if resolution is not None:
+        latent_size(resolution, resolution)
+        return resolution, resolution
+    if len(sizes) > 1:
+        (a, first), (b, other) = list(sizes.items())[:2]
+        raise ValueError(f"images differ in size ({first}: {a[0]}x{a[1]}, {other}: {b[0]}x{b[1]}): "
+                         "pass --resolution to resize and centre-crop them to one square size")
+    (height, width), = sizes
+    try:
+        latent_size(height, width)
+    except ValueError as e:
+        raise ValueError(f"{e}: pass --resolution to resize and centre-crop the images to such a size") from None
+    return height, width
+
+
+def _sample(tensors, i):
+    """Row i of each tensor as its own tensor (a view would save the whole batch's storage)."""
+    return [t[i].cpu().clone() for t in tensors]
+
+
+def write_features(pipeline_dir, data_dir, out, resolution=None, max_sequence_length=MAX_SEQUENCE_LENGTH,
+                   image_column="file_name", caption_column="text", device="cpu", dtype=torch.bfloat16,
+                   batch_size=8, overwrite=False):
+    """Writes OUT (see the module docstring); returns (number of samples, (H, W))."""
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    if os.path.lexists(out) and not overwrite:
+        raise FileExistsError(f"{out} already exists: remove it, choose another --out, or pass --overwrite")
+    dataset = ImageCaptionDataset(data_dir, image_column, caption_column, resolution=resolution)
+    size = image_size(dataset, resolution)
+    images = [os.path.relpath(path, data_dir) for path in dataset.files]
+    names = [feature_name(image) for image in images]
+    if len(set(names)) != len(names):
+        twin = next(image for image, name in zip(images, names) if names.count(name) > 1)
+        raise ValueError(f"{os.path.join(data_dir, METADATA)}: two images map to the feature file "
+                         f"{feature_name(twin)} (one is {twin}); rename one")
+    vae = load_vae(pipeline_dir, device=device, dtype=dtype)
+    text = TextEncoders(pipeline_dir, device=device, dtype=dtype, max_sequence_length=max_sequence_length)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        os.makedirs(os.path.join(tmp, FEATURES))
+        rows = []
+        for start in range(0, len(dataset), batch_size):
+            indices = list(range(start, min(start + batch_size, len(dataset))))
+            latents = encode_latents(vae, dataset.images(indices))
+            embeds, pooled, masks = text.encode_with_masks(dataset.captions_of(indices))
+            for row, i in enumerate(indices):
+                feature = os.path.join(FEATURES, names[i])
+                video, t5, clip = _sample((latents, embeds, pooled), row)
+                torch.save({VIDEO: video, PROMPT_IDS: [t5, clip], PROMPT_MASK: _sample(masks, row)},
+                           os.path.join(tmp, feature))
+                rows.append({image_column: images[i], caption_column: dataset.captions[i], FILE: feature})
+        with open(os.path.join(tmp, DATA_LIST), "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    return len(dataset), size
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    p.add_argument("--pipeline", required=True, help="diffusers FLUX pipeline folder (vae/, text encoders, tokenizers)")
+    p.add_argument("--data", required=True, help="image-caption folder: metadata.jsonl + images")
+    p.add_argument("--out", required=True, help="folder to write (data.jsonl, features/)")
+    p.add_argument("--resolution", type=int, default=None,
+                   help="resize and centre-crop every image to this square size (default: keep the images' "
+                        "size, which must be one size for all)")
+    p.add_argument("--max-sequence-length", type=int, default=MAX_SEQUENCE_LENGTH,
+                   help="T5 tokens per caption (the predictor block's text_len)")
+    p.add_argument("--image-column", default="file_name")
+    p.add_argument("--caption-column", default="text")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="of the VAE, the text encoders and the features written")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    args = p.parse_args(argv)
+    start = time.time()
+    try:
+        n, (height, width) = write_features(
+            args.pipeline, args.data, args.out, args.resolution, args.max_sequence_length, args.image_column,
+            args.caption_column, args.device, getattr(torch, args.dtype), args.batch_size, args.overwrite)
+    except (ValueError, OSError) as e:  # bad input, missing or existing paths, full disk
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"{n} samples ({height}x{width}) -> {os.path.join(args.out, DATA_LIST)} in {time.time() - start:.1f}s")
+
+
+if __name__ == "__main__":
+    main()
