@@ -13,29 +13,8 @@
 # GBS = G generations x DP x K trained steps per sample (DanceGRPO trains 0.6 of the 15 SDE steps of
 # 16: K = 9); a GBS that is no multiple of the real K is refused in one line naming it.
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-# CANN first, as every MindSpeed-MM script does (older installs: the ascend-toolkit path);
-# MM_GRPO_ASCEND is the Ascend folder, as in shell/launch_env.sh.
-ASCEND_DIR=${MM_GRPO_ASCEND:-/usr/local/Ascend}
-if [ -f "$ASCEND_DIR/cann/set_env.sh" ]; then source "$ASCEND_DIR/cann/set_env.sh"
-else source "$ASCEND_DIR/ascend-toolkit/set_env.sh"; fi
-set -euo pipefail  # after CANN's script, which reads unset variables
+source "$HERE/launch_env.sh"  # CANN, MindSpeed-MM's exports, torchrun's sizes (NPUS_PER_NODE, ...)
 source "$HERE/../../../shell/run_trainer.sh"  # run_trainer: the entry's exit status and one-line error last
-export CUDA_DEVICE_MAX_CONNECTIONS=1
-export ASCEND_SLOG_PRINT_TO_STDOUT=0
-export ASCEND_GLOBAL_LOG_LEVEL=3
-export TASK_QUEUE_ENABLE=2
-export COMBINED_ENABLE=1
-export CPU_AFFINITY_CONF=1
-export HCCL_CONNECT_TIMEOUT=1200
-export PYTORCH_NPU_ALLOC_CONF=expandable_segments:True
-
-NPUS_PER_NODE=${NPUS_PER_NODE:-8}
-MASTER_ADDR=${MASTER_ADDR:-localhost}
-MASTER_PORT=${MASTER_PORT:-6000}
-NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
-WORLD_SIZE=$(($NPUS_PER_NODE*$NNODES))
-DIST_BACKEND=${DIST_BACKEND:-nccl}  # MindSpeed runs it as HCCL on Ascend; gloo on a CPU
 
 TP=${TP:-1}
 CP=${CP:-1}
