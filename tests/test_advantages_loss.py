@@ -1,12 +1,13 @@
 """Group advantages, the PPO-clip loss (and GRPO-Guard's RatioNorm), advantage-weighted matching and
-DiffusionNFT's loss (advantages gathered over 2 ranks: tests/distributed/test_grpo_distributed.py)."""
+DiffusionNFT's optimality probability (advantages gathered over 2 ranks:
+tests/distributed/test_grpo_distributed.py; DiffusionNFT's and GRPO-Guard's losses against their
+authors' code: tests/test_objective_oracles.py)."""
 import math
 
 import pytest
 import torch
 
-from mm_grpo.grpo import (NonFiniteRewardError, awm_loss, group_advantages, grpo_loss, guard_step_weight,
-                          nft_loss, optimality_probability)
+from mm_grpo.grpo import NonFiniteRewardError, awm_loss, group_advantages, grpo_loss, optimality_probability
 from tests.utils import assert_one_line_error
 
 
@@ -203,40 +204,6 @@ def test_ratio_norm_matches_the_published_formula_in_float64():
         grpo_loss(logp, old_logp, adv, old_mean=old_mean)
 
 
-def test_grpo_guard_loss_matches_the_published_formula_in_float64():
-    """GRPO-Guard in full, written as verl-omni documents it per step t (std = sigma_t sqrt(-dt)):
-    b = mean|mu - mu_old|^2 / (2 std^2), rho = exp((log p - log p_old + b) std),
-    L_t = 1/(-dt) max(-A rho, -A clip(rho, 1-c, 1+c)). mm-grpo's step weight is 1/(N |dt|): N times less."""
-    g = torch.Generator().manual_seed(1)
-    N, B, shape = 16, 6, (5, 4)
-    sigma = torch.tensor([1.0, 0.9, 0.6, 0.3, 0.12, 0.05])
-    sigma_next = torch.tensor([0.97, 0.85, 0.5, 0.25, 0.1, 0.0])
-    std = torch.tensor([0.05, 0.1, 0.3, 0.05, 0.2, 0.8])
-    old_mean = torch.randn(B, *shape, generator=g)
-    x = old_mean + std.view(-1, 1, 1) * torch.randn(B, *shape, generator=g)
-    mean = (old_mean + 0.02 * torch.randn(B, *shape, generator=g)).requires_grad_()
-    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
-    c = 0.01
-    logp = _gaussian_logp64(x, mean, std).float()
-    old_logp = _gaussian_logp64(x, old_mean, std).float()
-    weight = guard_step_weight(sigma, sigma_next, N)
-    loss, _ = grpo_loss(logp, old_logp, adv, clip_range=c, mean=mean, std=std.view(-1, 1, 1), old_mean=old_mean,
-                        step_weight=weight)
-    dt = sigma_next.double() - sigma.double()
-    s64 = std.double()
-    b = ((mean.detach().double() - old_mean.double()) ** 2).flatten(1).mean(1) / (2 * s64**2)
-    rho = ((_gaussian_logp64(x, mean.detach(), std) - _gaussian_logp64(x, old_mean, std) + b) * s64).exp()
-    a = adv.double()
-    published = (torch.maximum(-a * rho, -a * rho.clamp(1 - c, 1 + c)) / (-dt)).mean()
-    assert (N * loss).item() == pytest.approx(published.item(), rel=1e-4, abs=1e-7)
-    # a uniform schedule weighs every step 1: the loss is RatioNorm's alone
-    uniform = guard_step_weight(torch.full((B,), 0.5), torch.full((B,), 0.5 - 1 / N), N)
-    torch.testing.assert_close(uniform, torch.ones(B))
-    with pytest.raises(ValueError, match="sigma_next < sigma"):
-        guard_step_weight(sigma_next, sigma, N)
-    assert_one_line_error(lambda: grpo_loss(logp, old_logp, adv, step_weight=torch.ones(2)), "step_weight must be")
-
-
 def test_optimality_probability_is_the_clipped_normalised_reward():
     rewards = torch.tensor([0.0, 1.0, 2.0, 10.0, 4.0, 4.0, 4.0, 4.0])
     adv = group_advantages(rewards, [0, 0, 0, 0, 1, 1, 1, 1])
@@ -253,49 +220,3 @@ def test_optimality_probability_is_the_clipped_normalised_reward():
     assert (2 * sparse - 1).sum().abs().item() < 1e-5
     with pytest.raises(ValueError, match="scale must be > 0"):
         optimality_probability(adv, 0.0)
-
-
-def test_nft_loss_matches_the_published_formula_in_float64():
-    g = torch.Generator().manual_seed(2)
-    B, shape, beta = 4, (6, 3), 0.7
-    v, v_old, x0, noise, ref_v = (torch.randn(B, *shape, generator=g) for _ in range(5))
-    r = torch.tensor([1.0, 0.0, 0.25, 0.5])
-    v.requires_grad_()
-    loss, stats = nft_loss(v, v_old, x0, noise, r, beta=beta, kl_beta=0.1, ref_v=ref_v)
-    V, Vo, target = v.detach().double(), v_old.double(), noise.double() - x0.double()
-    pos = (((1 - beta) * Vo + beta * V - target) ** 2).flatten(1).mean(1)
-    neg = (((1 + beta) * Vo - beta * V - target) ** 2).flatten(1).mean(1)
-    kl = ((V - ref_v.double()) ** 2).mean()
-    expected = (r.double() * pos + (1 - r.double()) * neg).mean() + 0.1 * kl
-    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
-    assert stats["kl"].item() == pytest.approx(kl.item(), rel=1e-6)
-    loss.backward()
-    # d/dv: [r * 2 beta (v+ - v*) - (1 - r) * 2 beta (v- - v*)] / (elements * B) + KL's pull
-    n = V[0].numel()
-    grad = (r.double().view(-1, 1, 1) * 2 * beta * ((1 - beta) * Vo + beta * V - target)
-            - (1 - r.double()).view(-1, 1, 1) * 2 * beta * ((1 + beta) * Vo - beta * V - target)) / (n * B)
-    grad = grad + 0.1 * 2 * (V - ref_v.double()) / V.numel()
-    torch.testing.assert_close(v.grad.double(), grad, rtol=1e-5, atol=1e-7)
-
-
-def test_nft_step_moves_towards_positive_and_away_from_negative_samples():
-    """At v_theta = v_old, a gradient step moves a positive sample's velocity towards its target and a
-    negative sample's away from it (the direction of AWM's gradient, in the sign of r - 1/2)."""
-    g = torch.Generator().manual_seed(3)
-    x0, noise, v_old = (torch.randn(2, 6, 4, generator=g) for _ in range(3))
-    v = v_old.clone().requires_grad_()
-    loss, _ = nft_loss(v, v_old, x0, noise, torch.tensor([1.0, 0.0]))
-    loss.backward()
-    stepped = v.detach() - 0.1 * v.grad
-    err = lambda w, b: ((w[b] - (noise[b] - x0[b])) ** 2).mean().item()  # noqa: E731
-    assert err(stepped, 0) < err(v_old, 0)
-    assert err(stepped, 1) > err(v_old, 1)
-
-
-def test_nft_loss_bad_input():
-    z = torch.zeros(2, 3)
-    assert_one_line_error(lambda: nft_loss(z, torch.zeros(2, 4), z, z, torch.zeros(2)), "equal \\[B, ...\\] shapes")
-    with pytest.raises(ValueError, match="beta > 0"):
-        nft_loss(z, z, z, z, torch.zeros(2), beta=0.0)
-    with pytest.raises(ValueError, match="reference velocity when kl_beta > 0"):
-        nft_loss(z, z, z, z, torch.zeros(2), kl_beta=0.1)

@@ -7,6 +7,9 @@ import torch
 
 from mm_grpo.flow import flow_matching_loss
 
+# The floor of DiffusionNFT's adaptive weight (the authors' clip(min=0.00001)).
+NFT_MIN_WEIGHT = 1e-5
+
 
 def grpo_loss(
     log_prob: torch.Tensor,
@@ -31,8 +34,10 @@ def grpo_loss(
     low-noise steps, so clipping acts unevenly. The normalised ratio removes that bias and scale,
     log r_hat = std * (log r + |d|^2 / (2 std^2)) = <eps, d>,
     zero-mean under the old policy with a spread that does not depend on the step's std.
-    GRPO-Guard's gradient reweighting passes each row's step weight, proportional to 1/|dt| of its
-    step (`guard_step_weight`), so that no noise level's steps dominate the update.
+    GRPO-Guard's gradient reweighting passes each row's step weight 1/|dt| (`guard_step_weight`), so
+    that no noise level's steps dominate the update. Both as flow_grpo's implementation
+    (scripts/train_sd3_GRPO_Guard.py); rows of one micro-batch may sit at different steps here, so
+    the weight is per row where flow_grpo divides a micro-batch of one step by its 1/|dt|.
 
     KL to a reference policy (given mean, ref_mean and the step std from the sampler outputs):
     mean over non-batch dims of (mean - ref_mean)^2 / (2 std^2), then over the micro-batch.
@@ -86,15 +91,15 @@ def grpo_loss(
     return loss, stats
 
 
-def guard_step_weight(sigma: torch.Tensor, sigma_next: torch.Tensor, num_steps: int) -> torch.Tensor:
-    """GRPO-Guard's per-step gradient reweighting (Wang et al. 2025, arXiv 2510.22319): a step's PPO
-    term is scaled by 1/|dt| = 1/(sigma - sigma_next). Divided here by the number of steps N, so that
-    on a uniform schedule (|dt| = 1/N) every step weighs 1 and the loss keeps the scale of the
-    unweighted one (Adam ignores a constant factor; gradient clipping does not)."""
+def guard_step_weight(sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
+    """GRPO-Guard's gradient reweighting (Wang et al. 2025, arXiv 2510.22319) as flow_grpo's
+    implementation computes it (scripts/train_sd3_GRPO_Guard.py, `policy_loss / sqrt_dt**2`): a step's
+    PPO term is divided by |dt| = sigma - sigma_next, which cancels the RatioNorm-scaled ratio's
+    gradient growing with the step's noise (std = sigma_t sqrt|dt|)."""
     dt = sigma.double() - sigma_next.double()
     if not (dt > 0).all():
         raise ValueError("GRPO-Guard's step weight needs sigma_next < sigma on every row")
-    return (1.0 / (num_steps * dt)).float()
+    return (1.0 / dt).float()
 
 
 def awm_loss(
@@ -132,43 +137,59 @@ def awm_loss(
 def nft_loss(
     v_pred: torch.Tensor,
     v_old: torch.Tensor,
+    x_t: torch.Tensor,
+    sigma: torch.Tensor,
     x0: torch.Tensor,
-    noise: torch.Tensor,
     optimality: torch.Tensor,
     *,
     beta: float = 1.0,
+    adv_clip_max: float = 5.0,
     kl_beta: float = 0.0,
     ref_v: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """DiffusionNFT's negative-aware flow matching (Zheng et al. 2025, arXiv 2509.16117):
+    """DiffusionNFT's negative-aware fine-tuning loss (Zheng et al. 2025, arXiv 2509.16117) as the
+    authors' code computes it (NVlabs/DiffusionNFT, scripts/train_nft_sd3.py):
 
-        v+ = (1 - beta) v_old + beta v_theta,   v- = (1 + beta) v_old - beta v_theta,
-        L  = mean(r |v+ - v*|^2 + (1 - r) |v- - v*|^2) + kl_beta * |v_theta - v_ref|^2,
+        v+ = beta v_theta + (1 - beta) v_old,   v- = (1 + beta) v_old - beta v_theta,
+        x0+- = x_t - sigma v+-                  (each implicit policy's x0 prediction)
+        l+- = mean((x0+- - x0)^2) / sg(max(mean|x0+- - x0|, 1e-5))   (the adaptive weight)
+        L  = adv_clip_max / beta * mean(r l+ + (1 - r) l-) + kl_beta * mean((v_theta - v_ref)^2),
 
-    with v* = noise - x0 the flow-matching target of x_t = (1 - sigma) x0 + sigma noise, v_old the
-    old (sampling) policy's velocity at x_t (no gradient) and r in [0, 1] each sample's optimality
-    probability (`optimality_probability`). |.|^2 is a mean over the elements of a row. Its
-    optimum moves v_theta from v_old towards the velocity of the samples with r > 1/2 and away
-    from those with r < 1/2, by a step whose size 1/beta sets.
+    with x_t = (1 - sigma) x0 + sigma noise the re-noised sample, v_old the old (sampling) policy's
+    velocity there (no gradient), r in [0, 1] each sample's optimality probability
+    (`optimality_probability`); means over a row's elements, then over the rows. The adaptive
+    weight makes each row's loss a relative error (its gradient does not scale with how far the row
+    is from x0); adv_clip_max / beta restores the scale of the unnormalised advantages.
     """
-    if not (optimality.ndim == 1 and v_pred.shape == v_old.shape == x0.shape == noise.shape
-            and v_pred.shape[0] == len(optimality)):
-        raise ValueError(f"v_pred, v_old, x0 and noise must be equal [B, ...] shapes and optimality [B], got "
-                         f"{tuple(v_pred.shape)}, {tuple(v_old.shape)}, {tuple(x0.shape)}, {tuple(noise.shape)}, "
-                         f"{tuple(optimality.shape)}")
-    if not beta > 0 or kl_beta < 0 or (kl_beta > 0 and ref_v is None):
-        raise ValueError(f"need beta > 0, kl_beta >= 0 and the reference velocity when kl_beta > 0 "
-                         f"(got beta {beta!r}, kl_beta {kl_beta!r})")
-    v, v_old = v_pred.float(), v_old.float().detach()
-    positive = flow_matching_loss((1 - beta) * v_old + beta * v, x0, noise)
-    negative = flow_matching_loss((1 + beta) * v_old - beta * v, x0, noise)
+    if not (optimality.ndim == 1 and v_pred.shape == v_old.shape == x_t.shape == x0.shape
+            and v_pred.shape[0] == len(optimality) and sigma.shape in ((), (len(optimality),))):
+        raise ValueError(f"v_pred, v_old, x_t and x0 must be equal [B, ...] shapes, optimality [B] and sigma [B] or "
+                         f"a scalar, got {tuple(v_pred.shape)}, {tuple(v_old.shape)}, {tuple(x_t.shape)}, "
+                         f"{tuple(x0.shape)}, {tuple(optimality.shape)}, {tuple(sigma.shape)}")
+    if not beta > 0 or not adv_clip_max > 0 or kl_beta < 0 or (kl_beta > 0 and ref_v is None):
+        raise ValueError(f"need beta > 0, adv_clip_max > 0, kl_beta >= 0 and the reference velocity when kl_beta > 0 "
+                         f"(got beta {beta!r}, adv_clip_max {adv_clip_max!r}, kl_beta {kl_beta!r})")
+    v, v_old, x_t, x0 = v_pred.float(), v_old.float().detach(), x_t.float(), x0.float()
+    sigma = sigma.float().reshape(-1, *([1] * (v.ndim - 1)))
+    dims = tuple(range(1, v.ndim))
+
+    def x0_error(velocity):
+        error = x_t - sigma * velocity - x0
+        with torch.no_grad():  # in float64 as the authors', so that the clamp acts on the true value
+            weight = error.double().abs().mean(dim=dims, keepdim=True).clamp(min=NFT_MIN_WEIGHT)
+        return (error**2 / weight.float()).mean(dim=dims)
+
+    positive = x0_error(beta * v + (1 - beta) * v_old)
+    negative = x0_error((1 + beta) * v_old - beta * v)
     r = optimality.float()
-    loss = (r * positive + (1 - r) * negative).mean()
+    unweighted = (r * positive + (1 - r) * negative) / beta
+    loss = (adv_clip_max * unweighted).mean()
     kl = torch.zeros((), device=v_pred.device)
     if ref_v is not None:
         kl = ((v - ref_v.float()) ** 2).mean()
         loss = loss + kl_beta * kl
     with torch.no_grad():
-        stats = {"loss": loss.detach().clone(), "fm_loss": flow_matching_loss(v, x0, noise).mean(),
+        stats = {"loss": loss.detach().clone(), "unweighted_policy_loss": unweighted.mean(),
+                 "old_deviate": ((v - v_old) ** 2).mean(),
                  "optimality_mean": r.mean(), "kl": kl.detach()}
     return loss, stats

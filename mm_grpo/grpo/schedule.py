@@ -78,7 +78,7 @@ class PPOObjective(Objective):
         step = self.step(mb, v)
         weight = None
         if self.s.step_reweight:
-            weight = guard_step_weight(mb["timestep"], mb["sigma_next"], self.s.num_inference_steps)
+            weight = guard_step_weight(mb["timestep"], mb["sigma_next"])
         return grpo_loss(step.log_prob, mb["old_log_prob"], mb["advantages"], clip_range=self.s.clip_range,
                          kl_beta=self.s.kl_beta, mean=step.mean, ref_mean=mb.get("ref_mean"), std=step.std,
                          old_mean=mb.get("old_mean"), step_weight=weight)
@@ -105,16 +105,17 @@ class AWMObjective(Objective):
 
 class NFTObjective(AWMObjective):
     """DiffusionNFT: the rows of AWM (x0 re-noised by forward-process noise) and the sampling (old)
-    policy's velocity on each; the loss weighs the implicit positive and negative policies by the
-    sample's optimality probability."""
+    policy's velocity on each; the loss weighs the implicit positive and negative policies' x0
+    predictions by the sample's optimality probability (`nft_loss`)."""
     needs_old = True
 
     def attach_old(self, mb, v_old):
         mb["old_v"] = v_old
 
     def loss(self, v, mb):
-        return nft_loss(v, mb["old_v"], mb["x0"], mb["noise"], optimality_probability(mb["advantages"], self.s.adv_clip_max),
-                        beta=self.s.nft_beta, kl_beta=self.s.kl_beta, ref_v=mb.get("ref_v"))
+        return nft_loss(v, mb["old_v"], mb["hidden_states"], mb["timestep"], mb["x0"],
+                        optimality_probability(mb["advantages"], self.s.adv_clip_max), beta=self.s.nft_beta,
+                        adv_clip_max=self.s.adv_clip_max, kl_beta=self.s.kl_beta, ref_v=mb.get("ref_v"))
 
 
 OBJECTIVES = {"ppo": PPOObjective, "awm": AWMObjective, "nft": NFTObjective}  # --policy-loss
@@ -154,8 +155,8 @@ class GRPOSettings:
         choices=tuple(OBJECTIVES))
     ratio_norm: bool = setting(False, "ppo: GRPO-Guard's RatioNorm (the log-ratio's mean bias removed, scaled by "
                                       "the step std)")
-    step_reweight: bool = setting(False, "ppo: GRPO-Guard's gradient reweighting (each step's term scaled by "
-                                         "1/(N |dt|)); GRPO-Guard is --ratio-norm --step-reweight")
+    step_reweight: bool = setting(False, "ppo: GRPO-Guard's gradient reweighting (each step's term divided by "
+                                         "|dt|); GRPO-Guard is --ratio-norm --step-reweight")
     nft_beta: float = setting(1.0, "nft: beta, the mixing coefficient of the implicit positive / negative policies")
     updates_per_rollout: int = setting(1, "optimizer steps per rollout (update u trains the samples s with "
                                           "s mod U == u)")

@@ -1,6 +1,6 @@
 """Two GRPO iterations under TP2, SP2, PP2 and DP2 (world size 2) on the tiny pipeline, with the
 PPO loss, with advantage-weighted matching (ode rollout), with Flow-GRPO-Fast branching, with
-DiffusionNFT (ode rollout by an EMA old policy) and with PPO + GRPO-Guard's RatioNorm.
+DiffusionNFT (ode rollout by an EMA old policy), with PPO + GRPO-Guard and with flow_grpo's cps sampler.
 
 Each layout writes its losses, rewards and final weights (diffusers names) to
 $MM_GRPO_TEST_OUT; tests/distributed/test_grpo_distributed.py compares them with a
@@ -28,7 +28,9 @@ LORA_LAYOUTS = {"tp2pp2": LAYOUTS["tp2"] + LAYOUTS["pp2"], "dp2": ["--use-distri
 # updates: the second one's ratio moves.
 NFT = ["--policy-loss", "nft", "--sampler", "ode", "--ema-decay", "0.5", "--ema-decay-ramp", "0.5"]
 GUARD = ["--ratio-norm", "--step-reweight", "--updates-per-rollout", "2", "--clip-range", "0.2"]
-VARIANTS = {"ppo": [], "awm": AWM, "branch": BRANCH, "nft": NFT, "guard": GUARD, "lora": LORA}
+# flow_grpo's cps sampler, its constant-free log-probs, on Flow-GRPO's ordered steps.
+CPS = ["--sampler", "cps", "--timestep-selection", "ordered"]
+VARIANTS = {"ppo": [], "awm": AWM, "branch": BRANCH, "nft": NFT, "guard": GUARD, "cps": CPS, "lora": LORA}
 # Group advantages gathered over 2 ranks: unequal row counts, groups spanning both ranks.
 ADVANTAGE_REWARDS = [0.3, 0.9, 0.1, 0.4, 0.8, 0.2, 0.7, 0.6]
 ADVANTAGE_PROMPTS = ["p0", "p1", "p0", "p1", "p0", "p1", "p0", "p1"]
@@ -175,6 +177,26 @@ def grpo_guard_pp2():
 @check(2)
 def grpo_guard_dp2():
     return _run_layout("guard_dp2")
+
+
+@check(2)
+def grpo_cps_tp2():
+    return _run_layout("cps_tp2")
+
+
+@check(2)
+def grpo_cps_sp2():
+    return _run_layout("cps_sp2")
+
+
+@check(2)
+def grpo_cps_pp2():
+    return _run_layout("cps_pp2")
+
+
+@check(2)
+def grpo_cps_dp2():
+    return _run_layout("cps_dp2")
 
 
 @check(2)

@@ -1,6 +1,6 @@
 """GRPO under TP2 / SP2 / PP2 / DP2 equals the single-process run (losses, rewards, weights), with
 the PPO loss, with advantage-weighted matching, with Flow-GRPO-Fast branching, with DiffusionNFT (its
-EMA old policy too), with PPO + RatioNorm and with LoRA (also TP2 x PP2, and DP2 with the distributed
+EMA old policy too), with PPO + GRPO-Guard, with the cps sampler and with LoRA (also TP2 x PP2, and DP2 with the distributed
 optimizer); the distributed optimizer's exact resume; group advantages gathered over two ranks."""
 import os
 
