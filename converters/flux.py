@@ -111,6 +111,8 @@ class MmToHfConfig:
         dtype: Cast the weights to bf16, fp16 or fp32; default: keep the source dtype.
         overwrite: Replace target_path if it already holds a diffusers folder.
         lora_path: MindSpeed-MM's LoRA weights option; FluxConverter converts whole weights only: leave empty.
+        weights: Which weights of a training checkpoint to export: policy (the trained model) or ema
+            (its exponential moving average, saved with --ema-decay: the weights the held-out evaluation scores).
     """
 
     source_path: str
@@ -121,6 +123,7 @@ class MmToHfConfig:
     dtype: DtypeName = None
     overwrite: bool = False
     lora_path: str = ""
+    weights: Literal["policy", "ema"] = "policy"
 
 
 @dataclasses.dataclass
@@ -180,7 +183,7 @@ class FluxConverter(Converter):
                          "the folder it replaces holds the shards being read")
         prepare_target(cfg.source_path, cfg.target_path)
         original = _original_folder(cfg.hf_dir, cfg.max_shard_size) if cfg.hf_dir else None
-        with contextlib.closing(_open_checkpoint(cfg.source_path, cfg.iteration, cfg.hf_dir)) as ckpt:
+        with contextlib.closing(_open_checkpoint(cfg.source_path, cfg.iteration, cfg.hf_dir, cfg.weights)) as ckpt:
             if original:
                 _check_same_architecture(ckpt, original.config, cfg.hf_dir)
             _check_target(cfg.target_path, cfg.overwrite, lambda p: os.path.isfile(os.path.join(p, "config.json")))
@@ -261,10 +264,10 @@ def open_hf_source(path: str, hf_dir: Optional[str] = None, preset: Optional[str
     return weights, config
 
 
-def _open_checkpoint(path: str, iteration, hf_dir: Optional[str] = None) -> MegatronCheckpoint:
-    """The checkpoint, checked; `hf_dir`'s config.json gives what one without mm-grpo's
-    metadata cannot tell."""
-    ckpt = MegatronCheckpoint(path, iteration, config=_config_from(hf_dir, None))
+def _open_checkpoint(path: str, iteration, hf_dir: Optional[str] = None, weights: str = "policy") -> MegatronCheckpoint:
+    """The checkpoint (its policy, or its EMA), checked; `hf_dir`'s config.json gives what one
+    without mm-grpo's metadata cannot tell."""
+    ckpt = MegatronCheckpoint(path, iteration, config=_config_from(hf_dir, None), weights=weights)
     try:
         flux_lora.refuse_adapter_checkpoint(ckpt)
         ckpt.check()

@@ -23,6 +23,7 @@ class Stream(enum.IntEnum):
     """Other draws of a run: `seeded_generator(seed, stream, ...)`."""
     FLOW_TRAINING = 1  # flow matching's noise and sigma: (seed, stream, iteration, sample)
     LORA_INIT = 2  # a LoRA adapter's A: (seed, stream, crc32 of its weight's diffusers name)
+    BOOTSTRAP = 3  # an evaluation's bootstrap intervals: (bootstrap seed, stream)
     EVALUATION = 7919  # held-out evaluation noise: (eval seed, stream, prompt, sample); apart from training draws
 
 

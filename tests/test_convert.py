@@ -305,6 +305,55 @@ def test_training_checkpoint_with_extras_and_iterations(parallel_1proc, tmp_path
     assert all(torch.equal(p, written[100][n]) for n, p in fresh.named_parameters())
 
 
+# --- the EMA of a training checkpoint (--ema-decay) -------------------------------------------------
+def test_mm_to_hf_exports_a_training_runs_ema_or_its_policy(parallel_1proc, tiny_pipeline_dir, tmp_path):
+    """2 GRPO iterations with --ema-decay (decay 0.5 from the second on): `--cfg.weights ema` and
+    `policy` (the default) equal the run's in-memory EMA and policy bit for bit, and differ."""
+    from tests.grpo_helpers import SMOOTH_REWARD, grpo_argv, run_grpo, write_configs
+    from tests.utils import gather_hf_state_dict
+    cfg = write_configs(tmp_path / "cfg", tiny_pipeline_dir, reward=SMOOTH_REWARD)
+    _, run = run_grpo(grpo_argv(*cfg, iters=2, extra=["--ema-decay", "0.5", "--ema-decay-ramp", "0.5",
+                                                      "--num-inference-steps", "3", "--save", str(tmp_path / "ckpt")]))
+    exported = {}
+    for weights, chunks, extra in (("policy", run.model.modules, ()),
+                                   ("ema", run.ema.modules, ("--cfg.weights", "ema"))):
+        hf = convert("mm_to_hf", tmp_path / "ckpt", tmp_path / weights, None, None, *extra)
+        exported[weights] = load_file(hf / "diffusion_pytorch_model.safetensors")
+        want = gather_hf_state_dict(chunks)
+        assert set(exported[weights]) == set(want)
+        assert all(torch.equal(exported[weights][k], want[k]) for k in want), weights
+    policy = exported["policy"]
+    assert sum(not torch.equal(exported["ema"][k], t) for k, t in policy.items()) > len(policy) // 2
+
+
+def test_mm_to_hf_ema_under_tp_and_virtual_pipeline_chunks(reference, mm_dirs, tmp_path):
+    """A TP2, 2 x 2 virtual-stage checkpoint given an EMA entry (each chunk's weights doubled, as a
+    trainer saves it: one state dict per chunk, beside model0 / model1): the export is the doubled
+    diffusers weights."""
+    import shutil
+    from mm_grpo.checkpoint import checksum
+    source = tmp_path / "ckpt"
+    shutil.copytree(mm_dirs["tp2-vpp2x2"], source)
+    for shard in (source / "release").glob("mp_rank_*/model_optim_rng.pt"):
+        tree = torch.load(shard, weights_only=True)
+        tree["ema"] = [{n: t * 2 for n, t in tree[f"model{v}"].items()} for v in range(2)]
+        torch.save(tree, shard)
+        checksum.write_checksum(str(shard))
+    got = load_file(convert("mm_to_hf", source, tmp_path / "hf", None, None, "--cfg.weights", "ema")
+                    / "diffusion_pytorch_model.safetensors")
+    assert set(got) == set(reference.state_dict())
+    assert all(torch.equal(got[k], t * 2) for k, t in reference.state_dict().items())
+
+
+def test_mm_to_hf_ema_of_a_checkpoint_without_one_is_one_line(mm_dirs, tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        convert("mm_to_hf", mm_dirs["tp1"], tmp_path / "hf", None, None, "--cfg.weights", "ema")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 1 and not (tmp_path / "hf").exists()
+    assert err[-1] == (f"mm-convert: error: {mm_dirs['tp1'] / 'release'} holds no EMA of the policy "
+                       "(saved without --ema-decay)")
+
+
 # --- shard file I/O ------------------------------------------------------------------------------
 def test_shard_writer_and_reader_against_plain_torch(tmp_path):
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)

@@ -369,7 +369,8 @@ EXPLAINED_BY_SUBCOMMAND = {
     "hf_to_mm": EXPLAINED,
     "mm_to_hf": {**EXPLAINED, "--cfg.source_path": "Megatron checkpoint folder",
                  "--cfg.target_path": "FluxTransformer2DModel.from_pretrained loads",
-                 "--cfg.hf_dir": "as MindSpeed-MM's converters take it"},
+                 "--cfg.hf_dir": "as MindSpeed-MM's converters take it",
+                 "--cfg.weights": "the weights the held-out evaluation scores"},
     "resplit": {**EXPLAINED, "--cfg.source_path": "Megatron checkpoint folder", "--cfg.target_path": "new layout"},
 }
 

@@ -45,12 +45,20 @@ def test_family_prompt_files_are_the_held_out_family_subsets():
 
 
 def test_the_demo_prompt_files_split_the_single_and_count_families():
-    """grpo_objects / eval_objects (the CPU demo): every single-object and count caption, from
-    pretraining and the held-out splits, each in exactly one of the two."""
+    """grpo_objects / eval_objects_tuning + eval_objects_report (the CPU demo): every single-object
+    and count caption, from pretraining and the held-out splits, each in exactly one of them; the
+    evaluation halves hold each family ("a", "two", "three"), colour and shape as evenly as counts allow."""
+    from collections import Counter
+
     from mm_grpo.data.shapes import PromptSpec
     folder = EVAL.parent
     read = lambda name: (folder / name).read_text().splitlines()  # noqa: E731
-    grpo, ev = read("grpo_objects.txt"), read("eval_objects.txt")
+    grpo, tuning, report = read("grpo_objects.txt"), read("eval_objects_tuning.txt"), read("eval_objects_report.txt")
+    ev = tuning + report
     families = ("single", "count")
     every = {c for f in ("pretrain.txt", "grpo.txt", "eval.txt") for c in read(f) if PromptSpec.parse(c).family in families}
-    assert not set(grpo) & set(ev) and set(grpo) | set(ev) == every and len(grpo) + len(ev) == len(every) == 45
+    assert not set(grpo) & set(ev) and set(grpo) | set(ev) == every and len(grpo) + len(set(ev)) == len(every) == 45
+    assert len(tuning) == len(report) == 11
+    for position in range(3):  # family word, colour, shape
+        counts = [Counter(p.split()[position].rstrip("s") for p in half) for half in (tuning, report)]
+        assert all(abs(counts[0][w] - counts[1][w]) <= 1 for w in counts[0] | counts[1]), counts

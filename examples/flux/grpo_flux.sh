@@ -31,6 +31,8 @@
 #                  and what evaluation scores (unset: none; CPU demo 0.5 and 0.01, EMA_DECAY= for none)
 #   EVAL_INTERVAL  held-out evaluation (before training, every EVAL_INTERVAL iterations, at the end)
 #   EVAL_PROMPTS   held-out prompts per evaluation (the CPU demo: all of EVAL_PROMPT_FILE)
+#   EVAL_SAMPLES EVAL_SEED  the CPU demo's fixed noises per held-out prompt and their seed (64 and 1:
+#                  the reporting half; tuning: EVAL_PROMPT_FILE=.../eval_objects_tuning.txt EVAL_SEED=0)
 #   IMAGE_INTERVAL a grid of held-out samples every IMAGE_INTERVAL iterations (RUN_DIR/samples)
 #   SAVE_INTERVAL LOG_INTERVAL     checkpoint and log intervals in iterations
 #   RUN_DIR        output folder (train.log, appended on each start; TensorBoard logs, checkpoints,
@@ -54,12 +56,14 @@ if [ -z "${PIPELINE_DIR:-}" ]; then
   # The CPU demo (docs/demo.md): the tiny shapes FLUX shipped in examples/flux/tiny_shapes
   # (pretrained by build_tiny_shapes.sh), DiffusionNFT on ODE rollouts rewarded by full-prompt
   # accuracy, on the families the model meets in 20-60% of samples (single objects, counts),
-  # evaluated on the other prompts of those families. 16 prompts x G 8 per iteration, a random
-  # quarter of the 16 steps trained, the old policy an EMA, a KL anchor to the pretrained model.
+  # evaluated on the reporting half of the other prompts of those families x 64 fixed noises
+  # (seed 1: never used while choosing the settings; docs/demo.md#evaluation). 16 prompts x G 8
+  # per iteration, a random quarter of the 16 steps trained, the old policy an EMA, a KL anchor.
   export PIPELINE_DIR="$SCRIPT_DIR/tiny_shapes"
   MODEL_JSON="${MODEL_JSON:-$SCRIPT_DIR/model_shapes_demo.json}"; DATA_JSON="${DATA_JSON:-$SCRIPT_DIR/data_shapes_demo.json}"
   export PROMPT_FILE="${PROMPT_FILE:-$SCRIPT_DIR/shapes_prompts/grpo_objects.txt}"
-  export EVAL_PROMPT_FILE="${EVAL_PROMPT_FILE:-$SCRIPT_DIR/shapes_prompts/eval_objects.txt}"
+  export EVAL_PROMPT_FILE="${EVAL_PROMPT_FILE:-$SCRIPT_DIR/shapes_prompts/eval_objects_report.txt}"
+  export EVAL_SAMPLES="${EVAL_SAMPLES:-64}" EVAL_SEED="${EVAL_SEED:-1}"  # data_shapes_demo.json reads them
   NPUS_PER_NODE="${NPUS_PER_NODE:-2}"; ITERS="${ITERS:-200}"; GBS="${GBS:-128}"; MBS="${MBS:-8}"
   SEED="${SEED:-1}"  # the README's figures are seeds 1-3; the default run repeats seed 1 exactly
   G="${G:-8}"; LR="${LR:-1e-4}"; SAMPLER="${SAMPLER:-ode}"; POLICY_LOSS="${POLICY_LOSS:-nft}"; SAME_NOISE="${SAME_NOISE:-0}"

@@ -18,6 +18,7 @@ from mm_grpo.checkpoint.atomic import atomic_write_text
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 SHARD_FILE = "model_optim_rng.pt"
 META_KEY = "mm_grpo_layout"
+EMA_KEY = "ema"  # a training shard's EMA of the policy (--ema-decay): one state dict per model chunk
 RELEASE = "release"
 CHECKPOINT_VERSION = 3.0  # what Megatron-LM writes into every shard
 SHARD_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")

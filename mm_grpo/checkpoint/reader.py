@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 
 from mm_grpo.checkpoint.infer import CHUNK_KEY, EXTRA_STATE, read_meta
-from mm_grpo.checkpoint.paths import META_KEY, SHARD_FILE, iteration_dir, shard_folders
+from mm_grpo.checkpoint.paths import EMA_KEY, META_KEY, SHARD_FILE, iteration_dir, shard_folders
 from mm_grpo.checkpoint.shard_io import ShardReader
 from mm_grpo.models.flux import layout
 from mm_grpo.models.flux.config import FluxConfig
@@ -24,9 +24,13 @@ class MegatronCheckpoint:
     Megatron names), so a rule from any stage of any target layout finds its source.
 
     `config` supplies what a checkpoint without mm-grpo's metadata cannot tell (written by
-    Megatron or MindSpeed-MM: see `mm_grpo.checkpoint.infer`); with metadata it is unused."""
+    Megatron or MindSpeed-MM: see `mm_grpo.checkpoint.infer`); with metadata it is unused.
+    `weights`: "policy" (the model chunks) or "ema" (a training checkpoint's EMA of them, same layout)."""
 
-    def __init__(self, path: str, iteration=None, config: Optional[FluxConfig] = None):
+    def __init__(self, path: str, iteration=None, config: Optional[FluxConfig] = None, weights: str = "policy"):
+        if weights not in ("policy", "ema"):
+            raise ValueError(f"weights must be 'policy' or 'ema', got {weights!r}")
+        self.weights = weights
         self.path = iteration_dir(path, iteration)
         self._folders = shard_folders(self.path)
         self._readers = {}
@@ -36,6 +40,9 @@ class MegatronCheckpoint:
             self.close()
             raise
         self.config = self.meta.config
+        if weights == "ema" and EMA_KEY not in self.shard(0, 0).tree:
+            self.close()
+            raise ValueError(f"{self.path} holds no EMA of the policy (saved without --ema-decay)")
         self._where = {}  # rule.hf -> (pp_rank, model key, source rule)
         for spec, key in self.meta.stages():
             for rule in self.meta.rules(spec):
@@ -53,10 +60,14 @@ class MegatronCheckpoint:
                              f"({', '.join(rule.hf)}): a different model config?")
         return self._where[rule.hf]
 
+    def _chunk(self, key: str) -> tuple:
+        """Key path of a model chunk's weights in a shard: the policy's model / modelN, or its EMA's entry."""
+        return (key,) if self.weights == "policy" else (EMA_KEY, int(CHUNK_KEY.fullmatch(key)[1] or 0))
+
     def _piece(self, rule, tp_rank, read):
         pp_rank, key, src = self._source(rule)
         shard = self.shard(tp_rank, pp_rank)
-        meta = shard.get(key, src.megatron)
+        meta = shard.get(*self._chunk(key), src.megatron)
         return shard.read(meta) if read else meta
 
     def _full(self, rule, read):
@@ -94,7 +105,7 @@ class MegatronCheckpoint:
             rules = self.meta.rules(spec)
             for tp in range(self.meta.tp_size):
                 shard = self.shard(tp, spec.pp_rank)
-                held = shard.get(key)
+                held = shard.get(*self._chunk(key))
                 names = {n for n in held if not n.endswith(EXTRA_STATE)}
                 missing = sorted({r.megatron for r in rules} - names)
                 unexpected = sorted(names - {r.megatron for r in rules})

@@ -1,16 +1,22 @@
 """Held-out evaluation: deterministic ODE sampling of fixed prompts from fixed noise, decoded
 and scored. The noise of sample j of prompt i depends on (seed, i, j) only, so evaluations
 before and after training (or of two runs) compare the same starting points, and the result
-does not depend on the parallel layout.
+does not depend on the parallel layout. Each mean comes with its two-stage bootstrap 95%
+interval over prompts and noises (`intervals.py`), logged as eval/<name>_ci_low / _ci_high.
 """
 import dataclasses
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from mm_grpo.pipeline.latents import prepare_latent_image_ids
 from mm_grpo.rollout import rollout
 from mm_grpo.seeding import Stream, seeded_generator
+from mm_grpo.training import intervals
+
+PREFIX = "eval/"  # of every stat's key
+TOTAL = "reward_mean"  # the weighted total's name among the stats (eval/reward_mean)
+CI_LOW, CI_HIGH = "_ci_low", "_ci_high"  # suffixes of a stat's interval bounds
 
 
 def conditioning(conditioner: Callable, prompts: List[str], grid, guidance: float, device) -> dict:
@@ -24,10 +30,77 @@ def conditioning(conditioner: Callable, prompts: List[str], grid, guidance: floa
 
 @dataclasses.dataclass
 class EvalResult:
-    stats: Dict[str, float]  # eval/reward_mean and eval/<reward name>: means over all samples
+    stats: Dict[str, float]  # eval/reward_mean and eval/<reward name>: means over all samples; their intervals
     prompts: List[str]  # one per sample, prompt-major (sample j of prompt i at i * K + j)
     images: torch.Tensor  # [N, 3, H, W] in [0, 1]
     values: Dict[str, torch.Tensor]  # per-sample reward values, by name
+    totals: Optional[torch.Tensor] = None  # per-sample weighted total
+    samples_per_prompt: int = 1  # K
+
+    def tables(self) -> Dict[str, torch.Tensor]:
+        """{stat name: [prompts, noises] per-sample scores}: the total, then each reward."""
+        named = {TOTAL: self.totals, **self.values} if self.totals is not None else dict(self.values)
+        return {k: v.reshape(-1, self.samples_per_prompt) for k, v in named.items()}
+
+
+def with_intervals(stats: Dict[str, float], tables: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    """`stats` plus eval/<name>_ci_low / _ci_high for each table, where the bootstrap is defined
+    (at least 2 samples, all finite: a non-finite score already shows as a non-finite mean)."""
+    if not tables:
+        return stats
+    stacked = torch.stack(list(tables.values()))
+    if stacked[0].numel() < 2 or not bool(torch.isfinite(stacked).all()):
+        return stats
+    low, high = intervals.percentile_interval(intervals.bootstrap_means(stacked))
+    bounds = {PREFIX + name: (lo, hi) for name, lo, hi in zip(tables, low.tolist(), high.tolist())}
+    out = {}
+    for key, value in stats.items():  # each mean followed by its bounds (the logged line reads in order)
+        out[key] = value
+        if key in bounds:
+            out[key + CI_LOW], out[key + CI_HIGH] = bounds[key]
+    return out
+
+
+def is_interval_key(key: str) -> bool:
+    return key.endswith((CI_LOW, CI_HIGH))
+
+
+def _name(key: str) -> str:
+    return key.removeprefix(PREFIX)
+
+
+def compare(before_stats: Dict[str, float], after_stats: Dict[str, float], before: Optional[EvalResult] = None,
+            after: Optional[EvalResult] = None) -> str:
+    """Each mean before -> after with its interval, and the gain, e.g.
+    "compositional 0.2560 [0.213, 0.301] -> 0.4060 [0.361, 0.452], gain +0.1500 [+0.108, +0.193]; ...
+    (95% bootstrap over 11 prompts x 64 noises)". The gain's interval is the paired bootstrap of the
+    two EvalResults (the same prompts and noises); without them the gain is given alone."""
+    def mean_and_interval(stats, key):
+        text = f"{stats[key]:.4f}"
+        if key + CI_LOW in stats:
+            text += f" [{stats[key + CI_LOW]:.3f}, {stats[key + CI_HIGH]:.3f}]"
+        return text
+
+    keys = [k for k in before_stats if not is_interval_key(k) and k in after_stats]
+    gains = {}
+    if before is not None and after is not None:
+        old, new = before.tables(), after.tables()
+        paired = [k for k in keys if _name(k) in old and _name(k) in new]
+        if paired:
+            stacked = torch.stack([new[_name(k)] - old[_name(k)] for k in paired])
+            if stacked[0].numel() >= 2 and bool(torch.isfinite(stacked).all()):
+                low, high = intervals.percentile_interval(intervals.bootstrap_means(stacked))
+                gains = {k: f" [{lo:+.3f}, {hi:+.3f}]" for k, lo, hi in zip(paired, low.tolist(), high.tolist())}
+    parts = [f"{_name(k)} {mean_and_interval(before_stats, k)} -> {mean_and_interval(after_stats, k)}, "
+             f"gain {after_stats[k] - before_stats[k]:+.4f}{gains.get(k, '')}" for k in keys]
+    result = before or after
+    if any(k + CI_LOW in before_stats for k in keys) and result is not None:
+        noises = result.samples_per_prompt
+        note = f"{intervals.LEVEL:.0%} bootstrap over {len(result.prompts) // noises} prompts x {noises} noises"
+        if not gains:
+            note += "; the gain without interval: the first evaluation's samples are not in this run"
+        parts[-1] += f" ({note})"
+    return "; ".join(parts)
 
 
 class Evaluator:
@@ -43,6 +116,7 @@ class Evaluator:
             raise ValueError("evaluation needs at least one prompt")
         if samples_per_prompt < 1 or batch_size < 1:
             raise ValueError(f"samples per prompt and batch size must be >= 1, got {samples_per_prompt}, {batch_size}")
+        self.samples_per_prompt = samples_per_prompt
         self.prompts = [p for p in prompts for _ in range(samples_per_prompt)]
         self.keys = [(i, j) for i in range(len(prompts)) for j in range(samples_per_prompt)]
         self.conditioner, self.decoder, self.reward = conditioner, decoder, reward
@@ -72,9 +146,23 @@ class Evaluator:
             for name, v in per_reward.items():
                 values.setdefault(name, []).append(v.float().cpu())
         values = {k: torch.cat(v) for k, v in values.items()}
-        stats = {"eval/reward_mean": torch.cat(totals).mean().item(),
-                 **{f"eval/{k}": v.mean().item() for k, v in values.items()}}
-        return EvalResult(stats, list(self.prompts), torch.cat(images), values)
+        totals = torch.cat(totals)
+        stats = {PREFIX + TOTAL: totals.mean().item(), **{PREFIX + k: v.mean().item() for k, v in values.items()}}
+        result = EvalResult(stats, list(self.prompts), torch.cat(images), values, totals, self.samples_per_prompt)
+        result.stats = with_intervals(stats, result.tables())
+        return result
+
+
+def eval_settings(dataset_param: dict, source: str = "--mm-data") -> Tuple[int, int]:
+    """(eval_samples_per_prompt, eval_seed) of data.json's dataset_param (defaults 1 and 0), checked.
+    A "$VARIABLE" there arrives as a string (grpo_flux.sh's EVAL_SAMPLES, EVAL_SEED): read as a number."""
+    def whole(key, default, minimum):
+        value = dataset_param.get(key, default)
+        text = str(value).strip()
+        if isinstance(value, bool) or not text.lstrip("-").isdigit() or int(text) < minimum:
+            raise ValueError(f"{source}: dataset_param {key} must be a whole number >= {minimum}, got {value!r}")
+        return int(text)
+    return whole("eval_samples_per_prompt", 1, 1), whole("eval_seed", 0, 0)
 
 
 def held_out_evaluator(prompts: List[str], schedule, dataset_param: dict, channels: int, device=None) -> Evaluator:
@@ -82,6 +170,6 @@ def held_out_evaluator(prompts: List[str], schedule, dataset_param: dict, channe
     dataset_param, default 1) from fixed noise (`eval_seed`, default 0: the same for runs with
     different --seed), with the schedule's conditioner, decoder, rewards, sigmas, image size and guidance."""
     s = schedule
+    samples_per_prompt, seed = eval_settings(dataset_param)
     return Evaluator(prompts, s.conditioner, s.decoder, s.reward, s.sigmas, s.s.height, s.s.width, channels,
-                     s.s.guidance_scale, dataset_param.get("eval_samples_per_prompt", 1),
-                     seed=dataset_param.get("eval_seed", 0), device=device)
+                     s.s.guidance_scale, samples_per_prompt, seed=seed, device=device)

@@ -64,7 +64,7 @@ from mm_grpo.settings import add_setting_args, from_args
 from mm_grpo.training import components, run_guard
 from mm_grpo.training.arguments import add_eval_prompts, add_max_skipped_iterations
 from mm_grpo.training.entry import run_entry, speaks_for_launch
-from mm_grpo.training.evaluation import held_out_evaluator
+from mm_grpo.training.evaluation import compare, eval_settings, held_out_evaluator
 from mm_grpo.training.logging_utils import is_logging_rank
 from mm_grpo.training.mindspeed_adapter import GRPOMicroBatches, grpo_forward_step
 
@@ -204,6 +204,8 @@ def _check_launch(argv) -> Launch:
         raise ValueError("--kl-beta > 0 needs the starting weights: predictor.from_pretrained in --mm-model")
     prompts, eval_prompts = components.prompt_streams(data_cfg, "--mm-data", args.seed)
     eval_prompts = eval_prompts[:args.eval_prompts] if eval_prompts else None
+    if eval_prompts:
+        eval_settings(data_cfg["dataset_param"])
     reward = CombinedReward.from_configs(model_cfg["reward"], device=mm_grpo.get_platform().device)
     components.check_prompts(model_cfg["text_encoder"], reward, prompts.prompts + (eval_prompts or []))
     return Launch(args, model_cfg, data_cfg, settings, prompts, eval_prompts, reward)
@@ -228,6 +230,7 @@ class GRPOInPretrain:
         self.policy, self.schedule, self.data = [], None, None
         self.lock = None  # rank 0's lock of --save
         self.evaluator, self.evaluations = None, {}  # Megatron iteration -> held-out stats
+        self.first_eval = self.last_eval = None  # this launch's first and last EvalResult (the paired gain)
 
     def model_provider(self, pre_process=True, post_process=True):
         from mindspeed_mm.models.predictor.predict_model import PredictModel
@@ -289,8 +292,9 @@ class GRPOInPretrain:
 
     def evaluate(self, iteration: int):
         from megatron.training.global_vars import get_tensorboard_writer
-        stats = self.evaluator(self.policy).stats
-        self.evaluations[iteration] = stats
+        result = self.evaluator(self.policy)
+        stats = self.evaluations[iteration] = result.stats
+        self.first_eval, self.last_eval = self.first_eval or result, result
         writer = get_tensorboard_writer()  # Megatron's, on its logging rank
         if writer is not None:
             for key, value in stats.items():
@@ -311,8 +315,8 @@ class GRPOInPretrain:
         before, after = self.evaluations[first], self.evaluations[last]
         if is_logging_rank():
             print(f"[mm-grpo] held-out evaluation ({len(self.evaluator.prompts)} samples, ODE, fixed noise), "
-                  f"iteration {first} -> {last}: "
-                  + "; ".join(f"{k[5:]} {before[k]:.4f} -> {after[k]:.4f}" for k in before), flush=True)
+                  f"iteration {first} -> {last}: " + compare(before, after, self.first_eval, self.last_eval),
+                  flush=True)
 
     def forward_step(self, data_iterator, model):
         return grpo_forward_step(self.schedule, data_iterator, model)

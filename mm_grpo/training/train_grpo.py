@@ -17,6 +17,7 @@ import torch
 from megatron.core import parallel_state
 
 from mm_grpo import get_platform
+from mm_grpo.checkpoint.paths import EMA_KEY
 from mm_grpo.grpo.schedule import GRPOSchedule, GRPOSettings
 from mm_grpo.models.flux import lora
 from mm_grpo.models.registry import load_pretrained
@@ -24,11 +25,10 @@ from mm_grpo.parallel import initialize_parallel
 from mm_grpo.parallel.pipeline import build_model_chunks
 from mm_grpo.rewards.combined import CombinedReward
 from mm_grpo.settings import from_args
-from mm_grpo.training import components
+from mm_grpo.training import components, evaluation
 from mm_grpo.training.arguments import parse_args
 from mm_grpo.training.ema import PolicyEMA
 from mm_grpo.training.entry import run_entry, train_and_report
-from mm_grpo.training.evaluation import held_out_evaluator
 from mm_grpo.training.logging_utils import is_logging_rank
 from mm_grpo.training.loop import TrainingRun, optimizer_step
 from mm_grpo.training.trainable import build_trainable, parallel_config, run_configs
@@ -61,6 +61,8 @@ class GRPORun(TrainingRun):
         predictor = configs.predictor
         self.device = get_platform().device
         self.prompts, self.eval_prompts = components.prompt_streams(self.data_cfg, "--mm-data", args.seed)
+        if self.eval_prompts:
+            evaluation.eval_settings(self.data_cfg["dataset_param"])
         height, width = args.height or self.model_cfg.get("image_size", [64, 64])[0], \
             args.width or self.model_cfg.get("image_size", [64, 64])[1]
         if height % 16 or width % 16:
@@ -105,16 +107,17 @@ class GRPORun(TrainingRun):
             past = list(extra.get("train_rewards", []))[:self.start_iteration]  # none in older checkpoints
             self.train_rewards = [math.nan] * (self.start_iteration - len(past)) + past
             if self.ema is not None:
-                if "ema" not in extra:
+                if EMA_KEY not in extra:
                     raise ValueError(f"--ema-decay: {args.load} holds no EMA of the policy (saved without "
                                      "--ema-decay); the run could not continue exactly")
-                self.ema.load_state_dict(extra["ema"])
+                self.ema.load_state_dict(extra[EMA_KEY])
 
     def _evaluator(self):
         if not self.eval_prompts:
             return None
-        return held_out_evaluator(self.eval_prompts[:self.args.eval_prompts], self.schedule,
-                                  self.data_cfg["dataset_param"], self.flux_config.in_channels, self.device)
+        return evaluation.held_out_evaluator(self.eval_prompts[:self.args.eval_prompts], self.schedule,
+                                             self.data_cfg["dataset_param"], self.flux_config.in_channels,
+                                             self.device)
 
     # --- what the loop calls ---------------------------------------------------------------
     def step(self, iteration):
@@ -130,7 +133,7 @@ class GRPORun(TrainingRun):
     def checkpoint_extras(self):
         extras = {"consumed_prompts": self.prompts.consumed, "train_rewards": self.train_rewards}
         if self.ema is not None:  # this rank's chunks: each TP x PP shard holds its own
-            extras["ema"] = self.ema.state_dict()
+            extras[EMA_KEY] = self.ema.state_dict()
         return extras
 
     def evaluated_policy(self):
@@ -146,7 +149,8 @@ class GRPORun(TrainingRun):
         is one (the last weight-0 reward, else the total)."""
         from mm_grpo.training import figures
         curve = [{"reward/mean": r} for r in self.train_rewards]
-        figures.reward_curve(curve, self.evaluations, os.path.join(self.run_dir, "reward_curve.png"))
+        means = sorted({k for s in self.evaluations.values() for k in s if not evaluation.is_interval_key(k)})
+        figures.reward_curve(curve, self.evaluations, os.path.join(self.run_dir, "reward_curve.png"), eval_keys=means)
         ok = None
         for name, weight in self.reward.weights.items():
             if weight == 0 and name in before.values:
@@ -167,10 +171,13 @@ def main(argv=None):
         if len(run.evaluations) > 1:
             its = sorted(run.evaluations)
             before, after = run.evaluations[its[0]], run.evaluations[its[-1]]
+            # The per-sample scores of both, for the paired gain: this run's first and last evaluations,
+            # unless it resumed after iteration its[0] (whose scores are then in the checkpoint's stats only).
+            first, last = (r if r is not None and r.stats == s else None
+                           for r, s in ((run.first_eval, before), (run.last_eval, after)))
             n = len(run.evaluator.prompts)
             print(f"[mm-grpo] held-out evaluation ({n} samples, ODE, fixed noise), iteration {its[0]} -> "
-                  f"{its[-1]}: " + "; ".join(f"{k[5:]} {before[k]:.4f} -> {after[k]:.4f}" for k in before),
-                  flush=True)
+                  f"{its[-1]}: " + evaluation.compare(before, after, first, last), flush=True)
 
     train_and_report(run, report)
 
