@@ -3,7 +3,7 @@
 #
 #   bash examples/flux/grpo_flux.sh                 # no accelerator: the tiny CPU demo, 2 processes
 #                                                   # (GRPO of the shipped tiny shapes FLUX, docs/demo.md;
-#                                                   # ~8 min on 2 cores; ITERS=40: a 2-min look)
+#                                                   # ~5 min on 2 cores; ITERS=40: a 2-min look)
 #   PIPELINE_DIR=/models/FLUX.1-dev HPS_PATH=/models/HPS_v2.1_compressed.pt \
 #   PROMPT_FILE=prompts.txt NPUS_PER_NODE=8 TP=2 bash examples/flux/grpo_flux.sh [extra trainer args]
 #
@@ -26,7 +26,7 @@
 #                  with --ema-decay its old policy is an EMA) (docs/grpo_schedule.md section 7)
 #   SAME_NOISE=1   the same initial noise for a prompt's G generations (DanceGRPO's init_same_noise)
 #   TIMESTEP_FRACTION  share of the denoising steps trained per sample (0.6; CPU demo 0.25)
-#   KL_BETA        weight of the KL term to the starting policy (0; CPU demo 0.1)
+#   KL_BETA        weight of the KL term to the starting policy (0; CPU demo 0.5)
 #   EMA_DECAY EMA_DECAY_RAMP  an EMA of the policy (--ema-decay, --ema-decay-ramp): nft's old policy,
 #                  and what evaluation scores (unset: none; CPU demo 0.5 and 0.01, EMA_DECAY= for none)
 #   EVAL_INTERVAL  held-out evaluation (before training, every EVAL_INTERVAL iterations, at the end)
@@ -64,10 +64,10 @@ if [ -z "${PIPELINE_DIR:-}" ]; then
   export PROMPT_FILE="${PROMPT_FILE:-$SCRIPT_DIR/shapes_prompts/grpo_objects.txt}"
   export EVAL_PROMPT_FILE="${EVAL_PROMPT_FILE:-$SCRIPT_DIR/shapes_prompts/eval_objects_report.txt}"
   export EVAL_SAMPLES="${EVAL_SAMPLES:-64}" EVAL_SEED="${EVAL_SEED:-1}"  # data_shapes_demo.json reads them
-  NPUS_PER_NODE="${NPUS_PER_NODE:-2}"; ITERS="${ITERS:-200}"; GBS="${GBS:-128}"; MBS="${MBS:-8}"
+  NPUS_PER_NODE="${NPUS_PER_NODE:-2}"; ITERS="${ITERS:-90}"; GBS="${GBS:-128}"; MBS="${MBS:-8}"
   SEED="${SEED:-1}"  # the README's figures are seeds 1-3; the default run repeats seed 1 exactly
   G="${G:-8}"; LR="${LR:-1e-4}"; SAMPLER="${SAMPLER:-ode}"; POLICY_LOSS="${POLICY_LOSS:-nft}"; SAME_NOISE="${SAME_NOISE:-0}"
-  TIMESTEP_FRACTION="${TIMESTEP_FRACTION:-0.25}"; KL_BETA="${KL_BETA:-0.1}"
+  TIMESTEP_FRACTION="${TIMESTEP_FRACTION:-0.25}"; KL_BETA="${KL_BETA:-0.5}"
   EMA_DECAY="${EMA_DECAY-0.5}"; EMA_DECAY_RAMP="${EMA_DECAY_RAMP:-0.01}"
   EVAL_INTERVAL="${EVAL_INTERVAL:-50}"; IMAGE_INTERVAL="${IMAGE_INTERVAL:-$ITERS}"
   EVAL_PROMPTS="${EVAL_PROMPTS:-$(wc -l < "$EVAL_PROMPT_FILE")}"
