@@ -39,14 +39,6 @@ SAVE_PATH=${SAVE_PATH:-"save/flux_grpo"}
 TENSORBOARD_DIR=${TENSORBOARD_DIR:-"tensorboard/flux_grpo"}
 LOG_DIR=${LOG_DIR:-logs}
 
-DISTRIBUTED_ARGS="
-    --nproc_per_node $NPUS_PER_NODE \
-    --nnodes $NNODES \
-    --node_rank $NODE_RANK \
-    --master_addr $MASTER_ADDR \
-    --master_port $MASTER_PORT
-"
-
 GPT_ARGS="
     --tensor-model-parallel-size ${TP} \
     --pipeline-model-parallel-size 1 \

@@ -1,7 +1,8 @@
 # Sourced by this folder's launch scripts: MindSpeed-MM's launch environment, as its own scripts set it.
 # CANN first (older installs: the ascend-toolkit path); MM_GRPO_ASCEND is the Ascend folder, as in
 # shell/launch_env.sh. Then the settings MindSpeed-MM exports for Ascend, and torchrun's sizes:
-#   NPUS_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT (WORLD_SIZE follows), DIST_BACKEND.
+#   NPUS_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT (WORLD_SIZE and torchrun's
+#   DISTRIBUTED_ARGS follow), DIST_BACKEND.
 ASCEND_DIR=${MM_GRPO_ASCEND:-/usr/local/Ascend}
 if [ -f "$ASCEND_DIR/cann/set_env.sh" ]; then source "$ASCEND_DIR/cann/set_env.sh"
 else source "$ASCEND_DIR/ascend-toolkit/set_env.sh"; fi
@@ -22,3 +23,10 @@ NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 WORLD_SIZE=$(($NPUS_PER_NODE*$NNODES))
 DIST_BACKEND=${DIST_BACKEND:-nccl}  # as MindSpeed-MM's scripts pass it: HCCL on Ascend; gloo on a CPU
+DISTRIBUTED_ARGS="
+    --nproc_per_node $NPUS_PER_NODE \
+    --nnodes $NNODES \
+    --node_rank $NODE_RANK \
+    --master_addr $MASTER_ADDR \
+    --master_port $MASTER_PORT
+"

@@ -51,14 +51,6 @@ case "$PRECISION" in
     *) echo "pretrain_flux.sh: PRECISION must be bf16 or fp32, got '$PRECISION'" >&2; exit 2 ;;
 esac
 
-DISTRIBUTED_ARGS="
-    --nproc_per_node $NPUS_PER_NODE \
-    --nnodes $NNODES \
-    --node_rank $NODE_RANK \
-    --master_addr $MASTER_ADDR \
-    --master_port $MASTER_PORT
-"
-
 GPT_ARGS="
     --tensor-model-parallel-size ${TP} \
     --pipeline-model-parallel-size ${PP} \
