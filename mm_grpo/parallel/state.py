@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from mm_grpo import get_platform
+from mm_grpo.parallel.ulysses import ULYSSES_CP_ALGO
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +24,7 @@ class ParallelConfig:
     pp: int = 1  # --pipeline-model-parallel-size
     cp: int = 1  # --context-parallel-size (Ulysses)
     vpp: Optional[int] = None  # virtual pipeline stages per rank
-    cp_algo: str = "ulysses_cp_algo"
+    cp_algo: str = ULYSSES_CP_ALGO
 
     def check(self, world_size: int):
         for name in ("tp", "pp", "cp"):
@@ -37,8 +38,8 @@ class ParallelConfig:
         if self.vpp is not None and (self.vpp < 2 or self.pp < 2):
             raise ValueError(f"virtual pipeline size {self.vpp} needs vpp >= 2 and pipeline-model-parallel "
                              f"size >= 2 (got pp={self.pp}); use vpp=None for no virtual stages")
-        if self.cp > 1 and self.cp_algo != "ulysses_cp_algo":
-            raise ValueError(f"context-parallel-algo {self.cp_algo!r}: only 'ulysses_cp_algo' is supported")
+        if self.cp > 1 and self.cp_algo != ULYSSES_CP_ALGO:
+            raise ValueError(f"context-parallel-algo {self.cp_algo!r}: only {ULYSSES_CP_ALGO!r} is supported")
 
     @property
     def dp(self) -> int:

@@ -20,6 +20,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import all_to_all, gather_from_sequence_parallel_region
 
+# The one context-parallel algorithm FLUX's attention implements, by MindSpeed's name for it.
+ULYSSES_CP_ALGO = "ulysses_cp_algo"
 
 
 def _ceil_div(a, b):

@@ -9,6 +9,7 @@ import argparse
 from mm_grpo.grpo.schedule import GRPOSettings
 from mm_grpo.jsonfile import load_json
 from mm_grpo.models.flux.lora import add_lora_args, check_lora_args
+from mm_grpo.parallel.ulysses import ULYSSES_CP_ALGO
 from mm_grpo.settings import add_setting_args
 
 
@@ -29,7 +30,7 @@ def _add_megatron_args(p):
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--context-parallel-size", type=int, default=1)
-    g.add_argument("--context-parallel-algo", default="ulysses_cp_algo", choices=["ulysses_cp_algo"])
+    g.add_argument("--context-parallel-algo", default=ULYSSES_CP_ALGO, choices=[ULYSSES_CP_ALGO])
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--distributed-timeout-minutes", type=int, default=30)
 

@@ -27,7 +27,7 @@ from mm_grpo.models.flux.blocks import DoubleStreamBlock, SingleStreamBlock
 from mm_grpo.models.flux.config import FluxConfig
 from mm_grpo.models.flux.embeddings import TimeTextEmbedding, rope_tables
 from mm_grpo.models.flux.layers import Modulation, layer_norm, modulate
-from mm_grpo.parallel.ulysses import SequenceShard
+from mm_grpo.parallel.ulysses import ULYSSES_CP_ALGO, SequenceShard
 from mm_grpo.platform.adaptor import torch_compile_replaced
 
 
@@ -63,6 +63,14 @@ def transformer_config(config: FluxConfig, params_dtype=torch.float32, **overrid
         # at once can be matched to each other's receive (seen with virtual stages on gloo).
         # The unbatched path sends the two directions on two different groups.
         batch_p2p_comm=pp != 2)
+    if hasattr(TransformerConfig.__init__, "__wrapped__"):
+        # MindSpeed's adaptor wraps __init__ and validates every config by its context-parallel
+        # algorithm and sequence length, taken from Megatron's or the process's command line where
+        # the config does not name them: ring attention by default, and no length at all in a
+        # trainer built from an argument list. FLUX's attention is Ulysses; its joint sequence
+        # changes with the resolution and SequenceShard pads it to a multiple of CP at every
+        # forward (the schedules get the real length per call): the length stated is that unit.
+        kwargs.update(context_parallel_algo=ULYSSES_CP_ALGO, seq_length=cp)
     kwargs.update(overrides)
     return TransformerConfig(**{**_field_defaults(), **kwargs})
 
