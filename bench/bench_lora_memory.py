@@ -20,7 +20,7 @@ from bench.bench_parallel_memory import MiB, SavedActivationMeter
 from bench.grpo_setup import PRESETS
 from mm_grpo.models.flux import FluxConfig, lora
 from mm_grpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
-from mm_grpo.parallel.pipeline import build_model_chunks, forward_backward
+from mm_grpo.runtime.chunks import build_model_chunks, forward_backward
 from mm_grpo.training.optim import build_optimizer, wrap_ddp
 
 TARGETS = lora.RECOMMENDED_TARGETS
@@ -93,7 +93,7 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     preset = PRESETS[args.preset]
-    from mm_grpo.pipeline.tiny import TRANSFORMER_CONFIG
+    from mm_grpo.tools.tiny import TRANSFORMER_CONFIG
     config = FluxConfig.from_diffusers_config(dict(TRANSFORMER_CONFIG, **preset.transformer))  # as grpo_setup builds it
     rows = {"full": measure(config, preset),
             f"LoRA r={args.lora_r}": measure(config, preset, lora.LoRAConfig(args.lora_r, args.lora_alpha, TARGETS))}

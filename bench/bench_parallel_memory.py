@@ -25,7 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import mm_grpo  # noqa: F401  (platform first)
 from mm_grpo.models.flux import FluxConfig
 from mm_grpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
-from mm_grpo.parallel.pipeline import build_model_chunks, forward_backward
+from mm_grpo.runtime.chunks import build_model_chunks, forward_backward
 from mm_grpo.parallel.state import init_process_group
 
 LAYOUTS = {

@@ -70,7 +70,7 @@ PRESETS = {
 
 def build_pipeline(preset: Preset, path: Path, seed: int = 0) -> Path:
     """The tiny pipeline with the preset's transformer (seeded), written once to `path`."""
-    from mm_grpo.pipeline.tiny import TRANSFORMER_CONFIG, build_tiny_components, build_tiny_pipeline
+    from mm_grpo.tools.tiny import TRANSFORMER_CONFIG, build_tiny_components, build_tiny_pipeline
     if (path / "model_index.json").is_file():
         return path
     if preset.transformer is None:
@@ -88,7 +88,7 @@ def build_pipeline(preset: Preset, path: Path, seed: int = 0) -> Path:
 
 def prepare(preset: Preset, workdir: Path) -> dict:
     """Pipeline folder and text-embedding cache under `workdir` (reused when present)."""
-    from mm_grpo.pipeline.text import TextEncoders, save_text_embeddings
+    from mm_grpo.encoders.text import TextEncoders, save_text_embeddings
     workdir.mkdir(parents=True, exist_ok=True)
     pipeline = build_pipeline(preset, workdir / f"pipeline_{preset.name}")
     cache = workdir / f"text_{preset.name}.safetensors"
@@ -126,9 +126,9 @@ def build_mm_grpo(preset: Preset, paths: dict, device, schedule_cls=None, lora_c
     import functools
     from mm_grpo.grpo.schedule import GRPOSchedule
     from mm_grpo.models.flux import FluxConfig
-    from mm_grpo.models.registry import load_pretrained
+    from mm_grpo.runtime.chunks import load_pretrained
     from mm_grpo.parallel import ParallelConfig, initialize_parallel
-    from mm_grpo.parallel.pipeline import build_model_chunks
+    from mm_grpo.runtime.chunks import build_model_chunks
     from mm_grpo.training.optim import build_optimizer, build_scheduler, wrap_ddp
     from mm_grpo.training.train_grpo import grpo_iteration
     initialize_parallel(ParallelConfig(), seed=1234)

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from mm_grpo.models.flux import FluxConfig
-from mm_grpo.models.flux.predictor import MINDSPEED_MM_NAMES
+from mm_grpo.runtime.predictor_block import MINDSPEED_MM_NAMES
 from tests.testbed import TESTBED
 
 PRETRAIN_SORA = os.path.join(TESTBED, "MindSpeed-MM", "pretrain_sora.py")
@@ -76,8 +76,8 @@ def set_megatron_args(model_json, data_json, tp=1, pp=1, cp=1, micro_batch=2, ex
 
 def pretrain_sora():
     """pretrain_sora.py's module namespace (model_provider, forward_step, ...), not run as main,
-    with mm-grpo's models registered as `python -m mm_grpo.run_mindspeed_mm pretrain_sora.py` does."""
-    import mm_grpo.run_mindspeed_mm  # noqa: F401
+    with mm-grpo's models registered as `python -m mm_grpo.mindspeed_mm.run pretrain_sora.py` does."""
+    import mm_grpo.mindspeed_mm.run  # noqa: F401
     return runpy.run_path(PRETRAIN_SORA, run_name="pretrain_sora")
 
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mm_grpo.parallel.pipeline import make_velocity_fn
+from mm_grpo.runtime.chunks import make_velocity_fn
 from mm_grpo.rollout import rollout
 from mm_grpo.training.loop import optimizer_step
 from tests.fixtures import parallel_1proc  # noqa: F401

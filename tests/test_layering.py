@@ -1,45 +1,108 @@
-"""One direction of dependencies (docs/design.md): the algorithm packages never import the
-training loop, and each imports only the packages listed for it."""
+"""One direction of dependencies: the floors table of docs/design.md, read from the doc, holds every
+folder of the tree to importing only folders on lower floors (every import statement, function-level
+ones included), and no module imports itself back through others."""
 import ast
 import pathlib
+import re
 
 import pytest
 
-
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mm_grpo"
-# package -> the mm_grpo packages it may import (function-level imports included)
-ALLOWED = {
-    "grpo": {"flow", "rollout", "parallel", "pipeline", "seeding", "settings"},
-    "rollout": set(),
-    "flow": {"settings"},
-    "rewards": {"data", "pipeline"},
-}
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DESIGN = ROOT / "docs" / "design.md"
+SOURCE_FOLDERS = ("mm_grpo", "converters", "bench")
+_ROW = re.compile(r"^\| (\d+) \| `([\w/.]+)` \|", re.M)
 
 
-def imported_packages(package: str) -> dict:
-    """{mm_grpo package: first file importing it} over every import statement of `package`."""
+def floors() -> dict:
+    """{unit: floor} from the table: a unit is a folder ('mm_grpo/models') or a top-level module
+    ('mm_grpo/kernels.py'; 'mm_grpo/__init__.py' is the package's own front door)."""
+    return {path.rstrip("/"): int(floor) for floor, path in _ROW.findall(DESIGN.read_text())}
+
+
+def unit_of(module: str) -> str:
+    """The table's unit of a dotted module name: 'mm_grpo.models.flux.model' -> 'mm_grpo/models'."""
+    parts = module.split(".")
+    if parts[0] != "mm_grpo":
+        return parts[0]
+    if len(parts) == 1:
+        return "mm_grpo/__init__.py"
+    return f"mm_grpo/{parts[1]}" if (ROOT / "mm_grpo" / parts[1]).is_dir() else f"mm_grpo/{parts[1]}.py"
+
+
+def modules() -> dict:
+    """{dotted module name: path} of every source file of the tree."""
     found = {}
-    for path in sorted((PACKAGE / package).rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            elif isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            else:
-                continue
-            for name in names:
-                parts = name.split(".")
-                if parts[0] == "mm_grpo" and len(parts) > 1 and parts[1] != package:
-                    found.setdefault(parts[1], path.name)
+    for folder in SOURCE_FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
     return found
 
 
-@pytest.mark.parametrize("package", sorted(ALLOWED))
-def test_algorithm_packages_import_only_downwards(package):
-    found = imported_packages(package)
-    assert "training" not in found
-    assert set(found) <= ALLOWED[package], {k: v for k, v in found.items() if k not in ALLOWED[package]}
+def imports(path: pathlib.Path, known: dict) -> set:
+    """The tree's modules one file imports. `from package import name` counts as the submodule
+    `package.name` where there is one (not the package's __init__)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in known else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name in known}
+
+
+def unit_imports() -> dict:
+    """{unit: {imported unit: first file importing it}} across units."""
+    known = modules()
+    found = {}
+    for name, path in known.items():
+        unit = unit_of(name)
+        for target in imports(path, known):
+            if unit_of(target) != unit:
+                found.setdefault(unit, {}).setdefault(unit_of(target), str(path.relative_to(ROOT)))
+    return found
+
+
+def test_the_table_names_every_folder_of_the_tree():
+    units = {unit_of(name) for name in modules()}
+    assert units == set(floors()), {"not in the table": units - set(floors()), "gone": set(floors()) - units}
+
+
+@pytest.mark.parametrize("unit", sorted(floors()))
+def test_each_folder_imports_only_lower_floors(unit):
+    table = floors()
+    upward = {target: f"{where} (floor {table[target]})" for target, where in unit_imports().get(unit, {}).items()
+              if table[target] >= table[unit]}
+    assert not upward, f"{unit} (floor {table[unit]}) imports {upward}"
+
+
+def test_no_module_imports_itself_back():
+    known = modules()
+    graph = {name: imports(path, known) - {name} for name, path in known.items()}
+    state, cycle = {}, []
+
+    def visit(name, stack):  # depth-first; a module met again on the stack closes a cycle
+        state[name] = "open"
+        for target in sorted(graph[name]):
+            if state.get(target) == "open":
+                cycle.extend(stack[stack.index(target):] + [target])
+            elif target not in state:
+                visit(target, stack + [target])
+            if cycle:
+                return
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state and not cycle:
+            visit(name, [name])
+    assert not cycle, " -> ".join(cycle)
 
 
 def test_the_check_sees_imports():
-    assert imported_packages("training").keys() >= {"grpo", "flow", "rewards", "rollout"}
+    found = unit_imports()
+    assert found["mm_grpo/training"].keys() >= {"mm_grpo/grpo", "mm_grpo/flow", "mm_grpo/rewards", "mm_grpo/rollout"}
+    assert "mm_grpo/encoders" in found["mm_grpo/grpo"]  # a function-level import only (latent ids)
+    # an upward import would be seen: training is above grpo
+    assert floors()["mm_grpo/training"] > floors()["mm_grpo/grpo"]

@@ -1,5 +1,5 @@
 """mm-grpo reads FLUX checkpoints that Megatron saved, which carry no mm-grpo metadata: the layout
-is inferred from the shards and their saved args (mm_grpo/checkpoint/infer.py).
+is inferred from the shards and their saved args (mm_grpo/checkpoint/metadata.py).
 
 The writer (tests/megatron_save.py) is Megatron-LM's own save_checkpoint where megatron.training
 exists (MindSpeed-MM's environment, core_v0.12.1) and the legacy `--ckpt-format torch` tree with

@@ -7,7 +7,7 @@ import pytest
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from mm_grpo.training.mindspeed_adapter import GRPOMicroBatches, grpo_forward_step
+from mm_grpo.mindspeed_mm.adapter import GRPOMicroBatches, grpo_forward_step
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.grpo_helpers import grpo_argv, run_grpo, write_configs
 

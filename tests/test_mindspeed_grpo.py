@@ -26,7 +26,7 @@ import types
 import pytest
 import torch
 
-from mm_grpo.checkpoint.lock import LOCK_FILE, RunFolderLocked
+from mm_grpo.files.lock import LOCK_FILE, RunFolderLocked
 from mm_grpo.models.flux import FluxConfig
 from mm_grpo.training.run_guard import TrainingStopped, UnusableSaveFolder
 from tests.fixtures import parallel_1proc  # noqa: F401
@@ -126,11 +126,11 @@ def run_script(tmp, run_dir, model_json, data_json, tools_json, load, extra=()):
 
 
 def launch_entry(tmp, argv, nproc):
-    """`torchrun -m mm_grpo.training.mindspeed_grpo ARGV` on `nproc` processes: (output, the lines
+    """`torchrun -m mm_grpo.mindspeed_mm.grpo ARGV` on `nproc` processes: (output, the lines
     the processes wrote to MM_GRPO_ERROR_FILE, as shell/run_trainer.sh reads them)."""
     errors = os.path.join(tmp, "errors.txt")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "mm_grpo.training.mindspeed_grpo", *argv]
+           "-m", "mm_grpo.mindspeed_mm.grpo", *argv]
     proc = subprocess.run(cmd, cwd=REPO, env=dict(_child_env(), MM_GRPO_ERROR_FILE=errors), capture_output=True,
                           text=True, timeout=LAUNCH_TIMEOUT_S)
     lines = open(errors).read().splitlines() if os.path.exists(errors) else []
@@ -280,7 +280,7 @@ REFUSALS = {
                                  r"--load: iteration 1 is inside a rollout"),
     "no_reward_block": (lambda t: ["--mm-model", "{reward}"], r"--mm-model has no 'reward' block"),
     "no_tool_config": (["--mm-tool", ""], r"--mm-tool is required"),
-    "ema": (["--ema-decay", "0.5"], r"^--ema-decay: mm_grpo.training.mindspeed_grpo keeps no EMA .* use "
+    "ema": (["--ema-decay", "0.5"], r"^--ema-decay: mm_grpo.mindspeed_mm.grpo keeps no EMA .* use "
                                     r"mm_grpo.training.train_grpo"),
     "ema_ramp": (["--ema-decay-ramp", "0.01"], r"^--ema-decay-ramp: .* keeps no EMA"),
     "kl_resumed_without_start": (lambda t: ["--kl-beta", "0.1", "--mm-model", "{no_from_pretrained}", "--load",
@@ -295,7 +295,7 @@ REFUSALS = {
 def test_each_refusal_is_one_line_before_pretrain(configs, tmp_path, case, monkeypatch):
     """Each refusal of the checks before `pretrain`, in this process (the launch above shows that the
     same check is one line per launch)."""
-    from mm_grpo.training import mindspeed_grpo
+    from mm_grpo.mindspeed_mm import grpo as mindspeed_grpo
     extra, match = REFUSALS[case]
     extra = extra(tmp_path) if callable(extra) else extra
     with open(configs[1]) as f:
@@ -320,7 +320,7 @@ def test_each_refusal_is_one_line_before_pretrain(configs, tmp_path, case, monke
 
 
 def test_a_launch_that_passes_the_checks_reads_what_pretrain_needs(configs):
-    from mm_grpo.training import mindspeed_grpo
+    from mm_grpo.mindspeed_mm import grpo as mindspeed_grpo
     launch = mindspeed_grpo.check_launch(entry_argv(configs, "--eval-prompts", "1"))
     s = launch.settings
     assert (s.global_batch_size, s.trained_steps_per_sample, s.num_generations, s.height) == (8, 3, 4, 32)
@@ -333,7 +333,7 @@ def test_megatron_global_batch_counts_trained_rows():
     """--global-batch-size is rows (generation, trained step) per optimizer step: it gives the rollout's
     generations, and a count that is no multiple of the trained steps is refused in one line."""
     require_testbed(needs_megatron_training=True)
-    from mm_grpo.training.mindspeed_grpo import grpo_settings
+    from mm_grpo.mindspeed_mm.grpo import grpo_settings
     args = argparse.Namespace(num_generations=4, num_inference_steps=6, global_batch_size=24, micro_batch_size=2,
                               updates_per_rollout=2, seed=3)
     settings = grpo_settings(args, {"image_size": [32, 32]}, dp_size=1)
@@ -355,7 +355,7 @@ def megatron_args():
 
 def test_a_locked_or_unwritable_save_folder_is_refused_before_the_first_rollout(parallel_1proc, configs, tmp_path,
                                                                                 megatron_args):
-    from mm_grpo.training.mindspeed_grpo import GRPOInPretrain, check_launch
+    from mm_grpo.mindspeed_mm.grpo import GRPOInPretrain, check_launch
     locked = tmp_path / "locked"
     locked.mkdir()
     holder = f"{socket.gethostname()}:{os.getppid()}"  # a live process of this host: another job
@@ -397,7 +397,7 @@ class _Prompts:
 
 def test_skipped_rollouts_yield_nothing_and_stop_the_run_at_the_limit():
     require_testbed(needs_megatron_training=True)
-    from mm_grpo.training.mindspeed_adapter import GRPOMicroBatches
+    from mm_grpo.mindspeed_mm.adapter import GRPOMicroBatches
     schedule = _Schedule([False, True, False, True, False, False])
     batches = GRPOMicroBatches(schedule, _Prompts(), max_skipped=2)
     assert next(batches)["rollout"] == 1  # rollout 0 skipped: nothing of it reaches Megatron's step

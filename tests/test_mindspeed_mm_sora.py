@@ -1,7 +1,7 @@
 """FLUX trained by flow matching through MindSpeed-MM's own pretrain_sora.py: its model provider
 (SoRAModel + PredictModel), forward step and loss, against mm-grpo's own flow-matching loss; its
 argument validation on the shipped model.json; and examples/flux/mindspeed_mm/pretrain_flux.sh
-as shipped, on features written by mm_grpo.pipeline.write_features."""
+as shipped, on features written by mm_grpo.tools.write_features."""
 import json
 import math
 import os
@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from mm_grpo.flow.matching import flow_matching_loss
-from mm_grpo.jsonfile import load_json
+from mm_grpo.files.jsonfile import load_json
 from mm_grpo.models.flux import FluxConfig, FluxTransformer
 from mm_grpo.models.flux.hf_weights import load_hf_weights
-from mm_grpo.models.flux.predictor import flux_config_from_block
-from mm_grpo.pipeline.latents import pack_latents, prepare_latent_image_ids
-from mm_grpo.pipeline.write_features import main as write_features
+from mm_grpo.runtime.predictor_block import flux_config_from_block
+from mm_grpo.encoders.latents import pack_latents, prepare_latent_image_ids
+from mm_grpo.tools.write_features import main as write_features
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.sora_helpers import (feature_batch, predictor_block, pretrain_sora, record_q_sample, set_megatron_args,
                                 write_configs, write_feature_dataset)

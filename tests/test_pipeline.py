@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import T5TokenizerFast
 
-from mm_grpo.pipeline import (
+from mm_grpo.encoders import (
     TextEmbeddingCache,
     TextEncoders,
     VaeDecoder,
@@ -16,8 +16,8 @@ from mm_grpo.pipeline import (
     save_text_embeddings,
     unpack_latents,
 )
-from mm_grpo.pipeline import tiny
-from mm_grpo.pipeline.tiny import build_tiny_pipeline
+from mm_grpo.tools import tiny
+from mm_grpo.tools.tiny import build_tiny_pipeline
 
 PROMPTS = ["a photo of a cat sitting on a red chair", "A fox running through the autumn forest at night, digital art!"]
 SEQ = 16  # T5 length for the tiny pipeline (the second prompt is longer: truncation path)

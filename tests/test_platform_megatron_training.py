@@ -1,5 +1,5 @@
 """The CPU patches for Megatron-LM's training loop (megatron.training, as MindSpeed-MM's `pretrain`
-runs it: mm_grpo/training/mindspeed_grpo.py), in MindSpeed-MM's environment.
+runs it: mm_grpo/mindspeed_mm/grpo.py), in MindSpeed-MM's environment.
 
 `CALLS` are the loop's CUDA-only calls the patches cover, one small real use each. Each runs in a
 child process with Megatron's global arguments as MindSpeed-MM's `pretrain` sets them: on the CPU

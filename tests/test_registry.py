@@ -15,8 +15,9 @@ import torch
 from safetensors.torch import save_file
 
 from mm_grpo.models.flux import FluxConfig
-from mm_grpo.models.flux.predictor import FluxPredictor, flux_config_from_block
-from mm_grpo.models.registry import MODEL_REGISTRY, build_model
+from mm_grpo.mindspeed_mm.predictor import FluxPredictor
+from mm_grpo.runtime.predictor_block import flux_config_from_block
+from mm_grpo.mindspeed_mm.registry import MODEL_REGISTRY, build_model
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.testbed import REPO, require_testbed, subprocess_env
 from tests.utils import assert_one_line_error, make_inputs, random_reference, reference_output, rel_err
@@ -60,8 +61,8 @@ def test_heads_under_mindspeed_mm_names():
 
 def test_mindspeed_mm_entry_refuses_a_block_its_validation_cannot_read(tmp_path, capsys):
     """Without num_heads, MindSpeed-MM's validate_args multiplies a missing head count (tested in
-    tests/test_mindspeed_mm_sora.py): `-m mm_grpo.run_mindspeed_mm` says what to add, in one line."""
-    from mm_grpo.run_mindspeed_mm import main
+    tests/test_mindspeed_mm_sora.py): `-m mm_grpo.mindspeed_mm.run` says what to add, in one line."""
+    from mm_grpo.mindspeed_mm.run import main
     for block, missing in ((inline_block(), '"num_heads": 4, "head_dim": 16'),
                            (inline_block(num_heads=4), '"head_dim": 16')):
         (tmp_path / "model.json").write_text(json.dumps({"predictor": block}))
@@ -90,7 +91,7 @@ def test_with_pipeline_num_layers_num_layers_counts_all_blocks():
 
 
 def test_shipped_mindspeed_mm_config_is_flux_dev():
-    from mm_grpo.jsonfile import load_json
+    from mm_grpo.files.jsonfile import load_json
     block = load_json(os.path.join(REPO, "examples/flux/mindspeed_mm/pretrain_model.json"), "model.json")["predictor"]
     assert flux_config_from_block(block) == FluxConfig.preset("flux-dev", bf16=True, recompute_blocks=True)
 
@@ -146,7 +147,7 @@ import mm_grpo
 {first}
 {second}
 from mindspeed_mm.models.predictor.predict_model import PREDICTOR_MODEL_MAPPINGS
-from mm_grpo.models.flux.predictor import FluxPredictor
+from mm_grpo.mindspeed_mm.predictor import FluxPredictor
 assert PREDICTOR_MODEL_MAPPINGS["flux"] is FluxPredictor, PREDICTOR_MODEL_MAPPINGS
 assert "wandit" in PREDICTOR_MODEL_MAPPINGS
 print("registered")
@@ -157,7 +158,7 @@ print("registered")
 @pytest.mark.parametrize("mm_grpo_first", [True, False])
 def test_flux_registers_into_mindspeed_mm_on_import_in_either_order(mm_grpo_first):
     require_testbed(needs_megatron_training=True)
-    ours, theirs = "import mm_grpo.models.registry", "import mindspeed_mm.models.predictor.predict_model"
+    ours, theirs = "import mm_grpo.mindspeed_mm.registry", "import mindspeed_mm.models.predictor.predict_model"
     first, second = (ours, theirs) if mm_grpo_first else (theirs, ours)
     out = subprocess.run([sys.executable, "-c", _REGISTERED.format(first=first, second=second)], cwd=REPO,
                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
@@ -167,7 +168,7 @@ def test_flux_registers_into_mindspeed_mm_on_import_in_either_order(mm_grpo_firs
 def _predict_model(block):
     """MindSpeed-MM's PredictModel on a model.json block, and what its load_checkpoint printed."""
     require_testbed(needs_megatron_training=True)
-    import mm_grpo.models.registry  # noqa: F401
+    import mm_grpo.mindspeed_mm.registry  # noqa: F401
     from mindspeed_mm.configs.config import ConfigReader
     from mindspeed_mm.models.predictor import PredictModel
     printed = io.StringIO()

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from mm_grpo.checkpoint.lock import LOCK_FILE, RunFolderLock, RunFolderLocked
+from mm_grpo.files.lock import LOCK_FILE, RunFolderLock, RunFolderLocked
 from mm_grpo.rewards.base import REWARDS, Reward, register_reward
 from mm_grpo.training import run_guard
 from mm_grpo.training.entry import run_entry
@@ -217,7 +217,7 @@ def test_a_flipped_byte_in_a_training_shard_stops_the_resume(parallel_1proc, con
 
 def test_file_errors_name_the_file(tmp_path):
     from mm_grpo.data import read_prompts
-    from mm_grpo.jsonfile import load_json
+    from mm_grpo.files.jsonfile import load_json
     latin1 = tmp_path / "prompts.txt"
     latin1.write_bytes("a café\n".encode("latin-1"))
     with pytest.raises(ValueError, match=f"prompt file {latin1} is not UTF-8 text"):

@@ -1,4 +1,4 @@
-"""`python -m mm_grpo.pipeline.write_features`: MindSpeed-MM's feature files from an image-caption
+"""`python -m mm_grpo.tools.write_features`: MindSpeed-MM's feature files from an image-caption
 folder, checked against diffusers' FluxPipeline (its prompt encoding, its VAE, its image
 preprocessing) and FLUX.1's published latent normalisation. That MindSpeed-MM's own
 pretrain_sora.py trains on them: tests/test_mindspeed_mm_sora.py."""
@@ -10,9 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
-from mm_grpo.pipeline.text import load_tokenizers
-from mm_grpo.pipeline import write_features
-from mm_grpo.pipeline.write_features import PROG, main
+from mm_grpo.encoders.text import load_tokenizers
+from mm_grpo.tools import write_features
+from mm_grpo.tools.write_features import PROG, main
 
 # FLUX.1's autoencoder normalisation (BFL's AutoEncoderParams; MindSpeed-MM's flux_vae defaults):
 # latents = SCALE x (posterior mode - SHIFT). The tiny pipeline's VAE carries FLUX.1's values.

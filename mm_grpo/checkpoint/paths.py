@@ -13,7 +13,7 @@ META_KEY, beside Megatron's `args`; both Megatron's `--load` and `load_from_mm` 
 import os
 import re
 
-from mm_grpo.checkpoint.atomic import atomic_write_text
+from mm_grpo.files.atomic import atomic_write_text
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 SHARD_FILE = "model_optim_rng.pt"

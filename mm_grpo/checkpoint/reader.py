@@ -4,7 +4,7 @@ from typing import Optional
 
 import torch
 
-from mm_grpo.checkpoint.infer import CHUNK_KEY, EXTRA_STATE, read_meta
+from mm_grpo.checkpoint.metadata import CHUNK_KEY, EXTRA_STATE, read_meta
 from mm_grpo.checkpoint.paths import EMA_KEY, META_KEY, SHARD_FILE, iteration_dir, shard_folders
 from mm_grpo.checkpoint.shard_io import ShardReader
 from mm_grpo.models.flux import layout
@@ -24,7 +24,7 @@ class MegatronCheckpoint:
     Megatron names), so a rule from any stage of any target layout finds its source.
 
     `config` supplies what a checkpoint without mm-grpo's metadata cannot tell (written by
-    Megatron or MindSpeed-MM: see `mm_grpo.checkpoint.infer`); with metadata it is unused.
+    Megatron or MindSpeed-MM: see `mm_grpo.checkpoint.metadata`); with metadata it is unused.
     `weights`: "policy" (the model chunks) or "ema" (a training checkpoint's EMA of them, same layout)."""
 
     def __init__(self, path: str, iteration=None, config: Optional[FluxConfig] = None, weights: str = "policy"):

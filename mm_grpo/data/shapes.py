@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from mm_grpo.checkpoint.atomic import atomic_dir, atomic_write_text
+from mm_grpo.files.atomic import atomic_dir, atomic_write_text
 
 # Five hues around the colour wheel and two neutral backgrounds: any two of the seven are at
 # least 150 apart in RGB, so nearest-colour classification survives a lossy tiny VAE (with a

@@ -6,7 +6,7 @@
         ... forward-backward of micro_batches with schedule.loss_fn, one optimizer step ...
 
 The optimizer step is the training loop's: mm-grpo's own trainer (`mm_grpo/training/train_grpo.py`)
-and MindSpeed-MM's `pretrain` (`mm_grpo/training/mindspeed_grpo.py`) drive the same micro-batches
+and MindSpeed-MM's `pretrain` (`mm_grpo/mindspeed_mm/grpo.py`) drive the same micro-batches
 and loss through megatron-core's forward-backward function and their optimizer.
 
 Samples are numbered globally, group-major (sample s belongs to prompt s // G); data-parallel
@@ -29,7 +29,7 @@ from mm_grpo.grpo.advantages import NonFiniteRewardError, group_advantages, opti
 from mm_grpo.grpo.loss import awm_loss, grpo_loss, guard_step_weight, nft_loss
 from mm_grpo.grpo.timesteps import (SlidingWindow, branch_window, dance_grpo_timesteps, flow_grpo_timesteps,
                                     window_timesteps)
-from mm_grpo.parallel.pipeline import PER_SAMPLE_CONDITIONING, make_velocity_fn
+from mm_grpo.runtime.chunks import PER_SAMPLE_CONDITIONING, make_velocity_fn
 from mm_grpo.parallel.state import dp_mean, dp_reduce
 from mm_grpo.rollout import (CONSTANT_FREE_LOG_PROB, SAMPLERS, SharedPrefix, get_sampler, rollout, sde_steps,
                              sigma_schedule)
@@ -303,7 +303,7 @@ class GRPOSchedule:
         embeds, pooled, txt_ids = self.conditioner(unique)
         rows = torch.tensor([unique.index(p) for p in prompts], device=embeds.device)
         embeds, pooled = embeds[rows], pooled[rows]
-        from mm_grpo.pipeline.latents import prepare_latent_image_ids
+        from mm_grpo.encoders.latents import prepare_latent_image_ids
         img_ids = prepare_latent_image_ids(*self.grid, device=self.device, dtype=txt_ids.dtype)
         guidance = torch.full((len(prompts),), self.s.guidance_scale, device=self.device)
         return dict(encoder_hidden_states=embeds.to(self.device), pooled_projections=pooled.to(self.device),

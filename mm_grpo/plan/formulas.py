@@ -320,12 +320,12 @@ def rollout_forward_working_bytes(config, job, layout):
 
 
 def vae_bytes(comps, job):
-    """VAE weights (the whole AutoencoderKL is loaded, pipeline/vae.py) in the compute dtype."""
+    """VAE weights (the whole AutoencoderKL is loaded, encoders/vae.py) in the compute dtype."""
     return comps.vae_params * (2 if job.bf16 else 4)
 
 
 def vae_decode_bytes(comps, job, layout):
-    """Decode of this rank's B images at once (pipeline/vae.py decodes the batch in one call):
+    """Decode of this rank's B images at once (encoders/vae.py decodes the batch in one call):
     B x H x W x values-per-pixel (measured constant, plan/components.py) x element size."""
     B = job.batch // layout.dp
     return B * job.height * job.width * comps.vae_decode_values_per_pixel * (2 if job.bf16 else 4)

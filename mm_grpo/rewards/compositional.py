@@ -315,7 +315,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     vae = None
     if args.pipeline:
-        from mm_grpo.pipeline.vae import load_vae
+        from mm_grpo.encoders.vae import load_vae
         vae = load_vae(args.pipeline)
     prompts = [p for f in args.prompts for p in read_prompts(f)]
     for name, (frac, acc) in reference_levels(prompts, args.samples, args.seed, vae=vae).items():

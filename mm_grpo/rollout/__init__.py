@@ -12,7 +12,7 @@ from mm_grpo.rollout.samplers import (
     ode_step,
     sde_steps,
 )
-from mm_grpo.rollout.schedule import sigma_schedule
+from mm_grpo.rollout.sigmas import sigma_schedule
 from mm_grpo.rollout.trajectory import SharedPrefix, Trajectory, Transition, check_window, rollout
 
 __all__ = [

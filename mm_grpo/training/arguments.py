@@ -7,21 +7,21 @@ parallel sizes, batch sizes, optimizer, checkpointing, logging, plus `--mm-model
 import argparse
 
 from mm_grpo.grpo.schedule import GRPOSettings
-from mm_grpo.jsonfile import load_json
+from mm_grpo.files.jsonfile import load_json
 from mm_grpo.models.flux.lora import add_lora_args, check_lora_args
 from mm_grpo.parallel.ulysses import ULYSSES_CP_ALGO
 from mm_grpo.settings import add_setting_args
 
 
 def add_max_skipped_iterations(group):
-    """--max-skipped-iterations (mm-grpo's trainers and mm_grpo.training.mindspeed_grpo)."""
+    """--max-skipped-iterations (mm-grpo's trainers and mm_grpo.mindspeed_mm.grpo)."""
     group.add_argument("--max-skipped-iterations", type=int, default=10,
                        help="stop with an error after this many iterations in a row without an optimizer step "
                             "(non-finite rewards, loss or gradients); 0: never")
 
 
 def add_eval_prompts(group):
-    """--eval-prompts (mm-grpo's GRPO trainer and mm_grpo.training.mindspeed_grpo)."""
+    """--eval-prompts (mm-grpo's GRPO trainer and mm_grpo.mindspeed_mm.grpo)."""
     group.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per evaluation")
 
 

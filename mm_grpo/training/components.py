@@ -71,10 +71,10 @@ def prompt_streams(data_config, source, seed):
 def conditioner(text_block, device, dtype):
     """prompts -> (prompt_embeds, pooled, txt_ids), from a precomputed cache or the encoders."""
     if text_block.get("embeddings_cache"):
-        from mm_grpo.pipeline.text import TextEmbeddingCache
+        from mm_grpo.encoders.text import TextEmbeddingCache
         cache = TextEmbeddingCache(text_block["embeddings_cache"])
         return lambda prompts: cache.get(prompts, device=device)
-    from mm_grpo.pipeline.text import TextEncoders
+    from mm_grpo.encoders.text import TextEncoders
     kwargs = {"max_sequence_length": text_block["max_sequence_length"]} if "max_sequence_length" in text_block else {}
     encoders = TextEncoders(block(text_block, "from_pretrained", "text_encoder"), device=device, dtype=dtype, **kwargs)
     return encoders.encode
@@ -84,11 +84,11 @@ def check_prompts(text_block, reward, prompts):
     """Prompt-dependent errors before any work: mid-iteration each data-parallel rank conditions
     and scores only its own prompts, and an error on one would leave the others in a collective."""
     if text_block.get("embeddings_cache"):
-        from mm_grpo.pipeline.text import TextEmbeddingCache
+        from mm_grpo.encoders.text import TextEmbeddingCache
         TextEmbeddingCache(text_block["embeddings_cache"]).check(list(dict.fromkeys(prompts)))
     reward.check_prompts(prompts)
 
 
 def decoder(ae_block, device, dtype):
-    from mm_grpo.pipeline.vae import VaeDecoder
+    from mm_grpo.encoders.vae import VaeDecoder
     return VaeDecoder(block(ae_block, "from_pretrained", "ae"), device=device, dtype=dtype)

@@ -14,7 +14,7 @@ from typing import List
 import torch
 
 from mm_grpo.models.flux import lora
-from mm_grpo.parallel.pipeline import build_model_chunks
+from mm_grpo.runtime.chunks import build_model_chunks
 
 
 class PolicyEMA:

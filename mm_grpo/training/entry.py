@@ -8,7 +8,7 @@ import time
 
 import torch.distributed as dist
 
-from mm_grpo.checkpoint.lock import RunFolderLocked
+from mm_grpo.files.lock import RunFolderLocked
 from mm_grpo.parallel.state import end_process_groups
 from mm_grpo.training import run_guard
 

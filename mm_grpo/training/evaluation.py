@@ -9,7 +9,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from mm_grpo.pipeline.latents import prepare_latent_image_ids
+from mm_grpo.encoders.latents import prepare_latent_image_ids
 from mm_grpo.rollout import rollout
 from mm_grpo.seeding import Stream, seeded_generator
 from mm_grpo.training import intervals
@@ -132,7 +132,7 @@ class Evaluator:
 
     @torch.no_grad()
     def __call__(self, model_chunks) -> EvalResult:
-        from mm_grpo.parallel.pipeline import make_velocity_fn
+        from mm_grpo.runtime.chunks import make_velocity_fn
         images, totals, values = [], [], {}
         for start in range(0, len(self.prompts), self.batch_size):
             prompts = self.prompts[start:start + self.batch_size]

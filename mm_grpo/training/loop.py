@@ -4,7 +4,7 @@
 buffers, megatron-core's forward-backward over all micro-batches (gradients accumulated), a
 finite check agreed by all ranks, the optimizer step, the LR-scheduler step. MindSpeed-MM's
 `pretrain` runs its own `train_step` on the same micro-batches and loss
-(`mm_grpo/training/mindspeed_grpo.py`).
+(`mm_grpo/mindspeed_mm/grpo.py`).
 
 `TrainingRun.train` is the loop: iterations from the resumed one to --train-iters, each
 `step(iteration)`, logged; held-out evaluation before training and every --eval-interval,
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mm_grpo.checkpoint import checksum
-from mm_grpo.parallel.pipeline import forward_backward
+from mm_grpo.runtime.chunks import forward_backward
 from mm_grpo.parallel.state import dp_mean
 from mm_grpo.training import run_guard
 from mm_grpo.training.checkpointing import load_checkpoint, save_checkpoint

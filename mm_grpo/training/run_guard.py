@@ -2,7 +2,7 @@
 
 - Workers die with their launcher (`die_with_launcher`): torch elastic starts each worker in a
   session of its own, so killing the launcher's process group would leave them training on.
-- One job per save folder (`prepare_save_folder`: a lock file, see mm_grpo/checkpoint/lock.py),
+- One job per save folder (`prepare_save_folder`: a lock file, see mm_grpo/files/lock.py),
   which is created, cleared of our crashed saves' temporary folders and probed before the
   first rollout, not after hours of work at the first save.
 - A failed save removes its partial temporary folder and says which file and why (`guarded_save`).
@@ -21,8 +21,8 @@ import traceback
 
 import torch.distributed as dist
 
-from mm_grpo.checkpoint.atomic import remove_stale_temps
-from mm_grpo.checkpoint.lock import RunFolderLock, RunFolderLocked
+from mm_grpo.files.atomic import remove_stale_temps
+from mm_grpo.files.lock import RunFolderLock, RunFolderLocked
 from mm_grpo.checkpoint.shard_io import naming
 
 PROBE_BYTES = 1 << 20  # enough to hit a full disk (and a file-size limit), too little to matter

@@ -23,8 +23,8 @@ from mm_grpo import get_platform
 from mm_grpo.data.image_captions import ImageCaptionDataset
 from mm_grpo.flow import FlowMatchingSettings, flow_matching_loss, noisy_latents, sample_sigmas
 from mm_grpo.parallel import initialize_parallel
-from mm_grpo.pipeline.latents import pack_latents
-from mm_grpo.pipeline.vae import encode_latents
+from mm_grpo.encoders.latents import pack_latents
+from mm_grpo.encoders.vae import encode_latents
 from mm_grpo.seeding import Stream, seeded_generator
 from mm_grpo.settings import add_setting_args, from_args, setting
 from mm_grpo.training import arguments, components
@@ -73,7 +73,7 @@ class FeatureEncoder:
     caption is encoded once per run (memory grows with the data: for small datasets)."""
 
     def __init__(self, ae_block, text_block, dataset, in_channels, device, dtype, cache=False):
-        from mm_grpo.pipeline.vae import load_vae
+        from mm_grpo.encoders.vae import load_vae
         self.vae = load_vae(components.block(ae_block, "from_pretrained", "ae"), device=device)
         packed = 4 * self.vae.config.latent_channels
         if packed != in_channels:

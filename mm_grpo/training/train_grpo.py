@@ -20,9 +20,8 @@ from mm_grpo import get_platform
 from mm_grpo.checkpoint.paths import EMA_KEY
 from mm_grpo.grpo.schedule import GRPOSchedule, GRPOSettings
 from mm_grpo.models.flux import lora
-from mm_grpo.models.registry import load_pretrained
 from mm_grpo.parallel import initialize_parallel
-from mm_grpo.parallel.pipeline import build_model_chunks
+from mm_grpo.runtime.chunks import build_model_chunks, load_pretrained
 from mm_grpo.rewards.combined import CombinedReward
 from mm_grpo.settings import from_args
 from mm_grpo.training import components, evaluation

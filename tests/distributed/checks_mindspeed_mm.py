@@ -18,14 +18,14 @@ from safetensors.torch import save_file
 
 from mm_grpo.models.flux import FluxConfig
 from mm_grpo.parallel import ParallelConfig, initialize_parallel
-from mm_grpo.parallel.pipeline import forward_backward
+from mm_grpo.runtime.chunks import forward_backward
 from mm_grpo.parallel.state import STAT_DTYPE
 from tests.distributed.worker import check
 from tests.testbed import install_standins
 from tests.utils import gather_tp, make_inputs, random_reference, reference_output, rel_err
 
 install_standins()
-import mm_grpo.models.registry  # noqa: E402,F401  (registers flux as MindSpeed-MM imports it)
+import mm_grpo.mindspeed_mm.registry  # noqa: E402,F401  (registers flux as MindSpeed-MM imports it)
 from mindspeed_mm.configs.config import ConfigReader  # noqa: E402
 from mindspeed_mm.models.predictor import PredictModel  # noqa: E402
 
@@ -133,7 +133,7 @@ def _our_flow_loss(ref, drawn):
     from mm_grpo.flow.matching import flow_matching_loss
     from mm_grpo.models.flux import FluxTransformer
     from mm_grpo.models.flux.hf_weights import load_hf_weights
-    from mm_grpo.pipeline.latents import pack_latents, prepare_latent_image_ids
+    from mm_grpo.encoders.latents import pack_latents, prepare_latent_image_ids
     from tests.sora_helpers import feature_batch
     batch = feature_batch(CONFIG)
     noised, noise, timestep = drawn

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from mm_grpo.checkpoint.lock import LOCK_FILE, is_dead_local_owner
+from mm_grpo.files.lock import LOCK_FILE, is_dead_local_owner
 from tests.distributed.conftest import REPO
 from tests.grpo_helpers import grpo_argv, write_configs
 from tests.testbed import has_megatron_training, subprocess_env

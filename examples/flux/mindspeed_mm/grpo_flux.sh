@@ -1,6 +1,6 @@
 #!/bin/bash
 # GRPO of FLUX.1 inside MindSpeed-MM's own training loop (its `pretrain`), in MindSpeed-MM's launch
-# style: mm_grpo.training.mindspeed_grpo (docs/grpo_schedule.md section 11). Run from a MindSpeed-MM
+# style: mm_grpo.mindspeed_mm.grpo (docs/grpo_schedule.md section 11). Run from a MindSpeed-MM
 # checkout with mm-grpo installed:
 #   MINDSPEED_MM=/path/to/MindSpeed-MM PIPELINE_DIR=/models/FLUX.1-dev HPS_PATH=/models/HPS_v2.1_compressed.pt \
 #   PROMPT_FILE=prompts.txt bash examples/flux/mindspeed_mm/grpo_flux.sh [more arguments of the entry]
@@ -93,7 +93,7 @@ logfile=$(date +%Y%m%d)_$(date +%H%M%S)
 cd "$MINDSPEED_MM"
 mkdir -p "$LOG_DIR"
 # shellcheck disable=SC2086
-run_trainer "$LOG_DIR/grpo_${logfile}.log" torchrun $DISTRIBUTED_ARGS -m mm_grpo.training.mindspeed_grpo \
+run_trainer "$LOG_DIR/grpo_${logfile}.log" torchrun $DISTRIBUTED_ARGS -m mm_grpo.mindspeed_mm.grpo \
     $GPT_ARGS \
     $MM_ARGS \
     $GRPO_ARGS \

@@ -3,14 +3,14 @@
 # in MindSpeed-MM's launch style (docs/mindspeed_mm.md). With mm-grpo installed:
 #
 #   1. the features, from an image-caption folder (metadata.jsonl + images) and the FLUX pipeline:
-#      python -m mm_grpo.pipeline.write_features --pipeline /models/FLUX.1-dev --data DATA_DIR \
+#      python -m mm_grpo.tools.write_features --pipeline /models/FLUX.1-dev --data DATA_DIR \
 #          --out $MINDSPEED_MM/flux_features --resolution 1024 --device npu
 #      (one .pt per sample: "video" VAE latents [16, H/8, W/8], scaled and shifted; "prompt_ids"
 #      [T5 hidden states [512, 4096], pooled CLIP [768]]; "prompt_mask"; listed in data.jsonl.
 #      feature_data.json reads ./flux_features at 1024 x 1024; the predictor's text_len is 512.)
 #   2. MINDSPEED_MM=/path/to/MindSpeed-MM bash examples/flux/mindspeed_mm/pretrain_flux.sh
 #
-# `python -m mm_grpo.run_mindspeed_mm` registers "model_id": "flux" before the script runs.
+# `python -m mm_grpo.mindspeed_mm.run` registers "model_id": "flux" before the script runs.
 # Weights: LOAD_PATH, an `mm-convert FluxConverter hf_to_mm` output at this TP / PP (or
 # predictor.from_pretrained: one diffusers diffusion_pytorch_model.safetensors file).
 # Settings (environment variables; relative paths are relative to $MINDSPEED_MM, where it runs):
@@ -97,7 +97,7 @@ OUTPUT_ARGS="
 logfile=$(date +%Y%m%d)_$(date +%H%M%S)
 cd "$MINDSPEED_MM"
 mkdir -p "$LOG_DIR"
-torchrun $DISTRIBUTED_ARGS -m mm_grpo.run_mindspeed_mm pretrain_sora.py \
+torchrun $DISTRIBUTED_ARGS -m mm_grpo.mindspeed_mm.run pretrain_sora.py \
     $GPT_ARGS \
     $MM_ARGS \
     $OUTPUT_ARGS \

@@ -3,7 +3,7 @@ import dataclasses
 import os
 from typing import Optional, Tuple
 
-from mm_grpo.jsonfile import load_json
+from mm_grpo.files.jsonfile import load_json
 
 # Fields of diffusers' FluxTransformer2DModel config that define the architecture.
 DIFFUSERS_FIELDS = (

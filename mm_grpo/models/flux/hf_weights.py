@@ -11,7 +11,7 @@ import torch
 from megatron.core import parallel_state
 from safetensors import safe_open
 
-from mm_grpo.jsonfile import load_json
+from mm_grpo.files.jsonfile import load_json
 from mm_grpo.models.flux import layout
 from mm_grpo.models.flux.config import FluxConfig
 

@@ -4,14 +4,14 @@ MindSpeed-MM keeps its DiT predictors in `PREDICTOR_MODEL_MAPPINGS`
 (`mindspeed_mm/models/predictor/predict_model.py`). Importing this module registers every
 model there: at once if MindSpeed-MM's module is already imported, otherwise the moment it
 is (an import hook), so `"model_id": "flux"` works in any MindSpeed-MM entry script run
-through mm-grpo (`python -m mm_grpo.run_mindspeed_mm SCRIPT ARGS`) with no call to remember.
+through mm-grpo (`python -m mm_grpo.mindspeed_mm.run SCRIPT ARGS`) with no call to remember.
 """
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
 
-from mm_grpo.models.flux.predictor import FluxPredictor, flux_config_from_block  # noqa: F401
+from mm_grpo.mindspeed_mm.predictor import FluxPredictor
 
 MINDSPEED_MM_PREDICTORS = "mindspeed_mm.models.predictor.predict_model"
 MODEL_REGISTRY = {"flux": FluxPredictor}
@@ -21,20 +21,6 @@ def build_model(model_id, **kwargs):
     if model_id not in MODEL_REGISTRY:
         raise ValueError(f"unknown model_id {model_id!r}; registered: {sorted(MODEL_REGISTRY)}")
     return MODEL_REGISTRY[model_id](model_id=model_id, **kwargs)
-
-
-def load_pretrained(model_chunks, path):
-    """Weights for one model chunk or a rank's list of chunks, from a converted Megatron
-    checkpoint (any TP/PP) or a diffusers folder (converted on the fly)."""
-    from mm_grpo.checkpoint.loader import load_megatron_checkpoint
-    from mm_grpo.checkpoint.paths import is_megatron_checkpoint
-    from mm_grpo.parallel.pipeline import load_hf_weights_into_chunks
-    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    if is_megatron_checkpoint(path):
-        load_megatron_checkpoint(chunks, path)
-    else:
-        load_hf_weights_into_chunks(chunks, path)
-    return model_chunks
 
 
 def register_into_mindspeed_mm(mapping=None):

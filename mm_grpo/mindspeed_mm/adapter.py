@@ -1,5 +1,5 @@
 """GRPO in Megatron's `forward_step` + data-iterator shape, for MindSpeed-MM's (Megatron's) `pretrain`
-(the entry: mm_grpo/training/mindspeed_grpo.py).
+(the entry: mm_grpo/mindspeed_mm/grpo.py).
 
 Megatron's loop calls, per optimizer step, `forward_backward_func(forward_step, data_iterator,
 model, num_microbatches, ...)` and then the optimizer. GRPO fits that loop when the data
@@ -24,7 +24,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from mm_grpo.parallel.pipeline import FORWARD_KEYS
+from mm_grpo.runtime.chunks import FORWARD_KEYS
 from mm_grpo.training.run_guard import SkipGuard
 
 # Rollout statistics logged with each micro-batch's loss (Megatron logs the loss dictionary).

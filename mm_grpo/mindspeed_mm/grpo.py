@@ -1,6 +1,6 @@
 """GRPO of FLUX inside MindSpeed-MM's own `pretrain` (its fork of Megatron-LM's loop).
 
-    torchrun $DISTRIBUTED_ARGS -m mm_grpo.training.mindspeed_grpo $GPT_ARGS $MM_ARGS $GRPO_ARGS $OUTPUT_ARGS
+    torchrun $DISTRIBUTED_ARGS -m mm_grpo.mindspeed_mm.grpo $GPT_ARGS $MM_ARGS $GRPO_ARGS $OUTPUT_ARGS
 
 (examples/flux/mindspeed_mm/grpo_flux.sh.) Before `pretrain` starts, every process checks the
 command line and the files it names as `pretrain` will read them (`check_launch`): the config
@@ -15,7 +15,7 @@ MindSpeed-MM's `load_checkpoint`), wraps it in DDP, builds the optimizer and LR 
 training loop: per step, Megatron's forward-backward over `get_num_microbatches()` micro-batches
 with `forward_step`, the optimizer step, logging and `--save` checkpoints.
 
-GRPO fits that loop through the data iterator (mm_grpo/training/mindspeed_adapter.py): its
+GRPO fits that loop through the data iterator (mm_grpo/mindspeed_mm/adapter.py): its
 micro-batches are (generation, trained step) rows; when they run out it runs the next rollout,
 reward and advantages with the model `pretrain` built. Megatron's `--global-batch-size` counts
 those rows per optimizer step: (generations per update) x (trained steps per sample K), so
@@ -54,11 +54,11 @@ import torch
 from megatron.core.enums import ModelType
 from megatron.training import get_args
 
-import mm_grpo.models.registry  # noqa: F401  (`"model_id": "flux"` in MindSpeed-MM's predictor mapping)
-from mm_grpo.checkpoint.lock import RunFolderLocked
+import mm_grpo.mindspeed_mm.registry  # noqa: F401  (`"model_id": "flux"` in MindSpeed-MM's predictor mapping)
+from mm_grpo.files.lock import RunFolderLocked
 from mm_grpo.data import PromptStream
 from mm_grpo.grpo.schedule import GRPOSchedule, GRPOSettings
-from mm_grpo.jsonfile import load_json
+from mm_grpo.files.jsonfile import load_json
 from mm_grpo.rewards.combined import CombinedReward
 from mm_grpo.settings import add_setting_args, from_args
 from mm_grpo.training import components, run_guard
@@ -66,20 +66,20 @@ from mm_grpo.training.arguments import add_eval_prompts, add_max_skipped_iterati
 from mm_grpo.training.entry import run_entry, speaks_for_launch
 from mm_grpo.training.evaluation import compare, eval_settings, held_out_evaluator
 from mm_grpo.training.logging_utils import is_logging_rank
-from mm_grpo.training.mindspeed_adapter import GRPOMicroBatches, grpo_forward_step
+from mm_grpo.mindspeed_mm.adapter import GRPOMicroBatches, grpo_forward_step
 
 OWN_TRAINER = "mm_grpo.training.train_grpo"
 MODEL_BLOCKS = ("predictor", "ae", "text_encoder", "reward")  # what --mm-model must hold
 # Megatron's tracker of the latest checkpoint in a --load folder (megatron/training/checkpointing.py).
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 PP_REFUSAL = (
-    "pipeline parallelism (--pipeline-model-parallel-size {pp}) is not supported by mm_grpo.training.mindspeed_grpo: "
+    "pipeline parallelism (--pipeline-model-parallel-size {pp}) is not supported by mm_grpo.mindspeed_mm.grpo: "
     "the rollout runs inside the first forward_step of an optimizer step, while Megatron's pipeline schedule has the "
     "later stages waiting in recv_forward: they take the rollout's activations as a training micro-batch's and the "
     "stages deadlock (docs/grpo_schedule.md section 11); use --pipeline-model-parallel-size 1, or "
     f"{OWN_TRAINER}, which runs PP and VPP")
 EMA_REFUSAL = (
-    "{flag}: mm_grpo.training.mindspeed_grpo keeps no EMA of the policy (MindSpeed's parser reads --ema-decay as its "
+    "{flag}: mm_grpo.mindspeed_mm.grpo keeps no EMA of the policy (MindSpeed's parser reads --ema-decay as its "
     "fused_ema_adamw optimizer's decay, with --optimizer-selection fused_ema_adamw, and Megatron's checkpoint "
     f"would not hold mm-grpo's EMA): use {OWN_TRAINER} for an EMA policy (nft's old policy, the evaluated weights)")
 
@@ -269,7 +269,7 @@ class GRPOInPretrain:
         if not self.launch.settings.kl_beta > 0:
             return None
         from mindspeed_mm.models.common.checkpoint import load_checkpoint
-        from mm_grpo.models.registry import build_model
+        from mm_grpo.mindspeed_mm.registry import build_model
         policy = self.policy[0]
         block = args.mm.model.predictor.to_dict()
         ref = build_model(**{k: v for k, v in block.items() if k != "from_pretrained"})

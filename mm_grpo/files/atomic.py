@@ -5,7 +5,7 @@ import re
 import shutil
 import tempfile
 
-from mm_grpo.checkpoint.lock import is_dead_local_owner, owner_tag
+from mm_grpo.files.lock import is_dead_local_owner, owner_tag
 
 # Our temporary folders: a training save's `.iter_0000100.tmp` / `.release.tmp` (one name for all
 # ranks of the job that holds the folder's lock) and `.<name>.tmp-<host>:<pid>-<8 random>` of

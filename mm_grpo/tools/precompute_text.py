@@ -1,6 +1,6 @@
 """Precompute FLUX text embeddings for a prompt file (as DanceGRPO does offline).
 
-    python -m mm_grpo.pipeline.precompute_text --pipeline /models/FLUX.1-dev \
+    python -m mm_grpo.tools.precompute_text --pipeline /models/FLUX.1-dev \
         --prompts prompts.txt --out text_cache.safetensors [--max-sequence-length 512] [--device cuda]
 
 Then set `"embeddings_cache": "text_cache.safetensors"` in model.json's text_encoder block:
@@ -12,7 +12,7 @@ import time
 import torch
 
 from mm_grpo.data import read_prompts
-from mm_grpo.pipeline.text import MAX_SEQUENCE_LENGTH, TextEncoders, save_text_embeddings
+from mm_grpo.encoders.text import MAX_SEQUENCE_LENGTH, TextEncoders, save_text_embeddings
 
 
 def main(argv=None):

@@ -6,7 +6,7 @@ runs load it through the same code paths as FLUX.1-dev. Both tokenizers are
 learnt here from a small caption corpus (CLIP: byte-level BPE;
 T5: a SentencePiece Unigram model, as T5's own), so nothing is downloaded.
 
-    python -m mm_grpo.pipeline.tiny --out DIR [--seed 0]
+    python -m mm_grpo.tools.tiny --out DIR [--seed 0]
 """
 import argparse
 import collections
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from mm_grpo.checkpoint.atomic import atomic_dir
+from mm_grpo.files.atomic import atomic_dir
 from mm_grpo.models.flux.config import PRESETS
-from mm_grpo.pipeline.text import transformers_5
+from mm_grpo.encoders.text import transformers_5
 
 # Captions the tiny tokenizers are trained on; prompts outside this vocabulary
 # still tokenize (rare characters map to <unk>).

@@ -1,6 +1,6 @@
 """Train a tiny FLUX-layout VAE (diffusers `AutoencoderKL`) for reconstruction on an image folder.
 
-    python -m mm_grpo.pipeline.train_tiny_vae --data DATA_DIR --out VAE_DIR [--steps 1500 --seed 0]
+    python -m mm_grpo.tools.train_tiny_vae --data DATA_DIR --out VAE_DIR [--steps 1500 --seed 0]
 
 The architecture is the tiny pipeline's (factor 8, 4 latent channels = 16 packed channels).
 Choices, each measured on the shapes data (docs/demo.md):
@@ -28,9 +28,9 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
-from mm_grpo.checkpoint.atomic import atomic_dir
+from mm_grpo.files.atomic import atomic_dir
 from mm_grpo.data.image_captions import ImageCaptionDataset
-from mm_grpo.pipeline.tiny import VAE_CONFIG
+from mm_grpo.tools.tiny import VAE_CONFIG
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +118,7 @@ def reconstruct(vae, images):
 
 def main(argv=None):
     defaults = VaeTraining()
-    parser = argparse.ArgumentParser(prog="python -m mm_grpo.pipeline.train_tiny_vae",
+    parser = argparse.ArgumentParser(prog="python -m mm_grpo.tools.train_tiny_vae",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--data", required=True, help="image-caption folder (metadata.jsonl + images)")
     parser.add_argument("--out", required=True, help="VAE folder to create (e.g. PIPELINE/vae)")

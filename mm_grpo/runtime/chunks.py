@@ -1,5 +1,6 @@
-"""FLUX under pipeline parallelism: model chunks per rank, training through megatron-core's
-schedules, and pipelined forward-only inference for the rollout.
+"""FLUX at run time: this rank's model chunks under pipeline parallelism, their weights (a converted
+checkpoint or a diffusers folder), training through megatron-core's schedules, and pipelined
+forward-only inference for the rollout.
 
 Every rank of a model-parallel group (TP x CP x PP) calls these functions with the same
 arguments. Stages exchange one tensor per micro-batch, [text ; image ; silu(temb)] as
@@ -15,6 +16,8 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_attr_wrapped_model
 
+from mm_grpo.checkpoint.loader import load_megatron_checkpoint
+from mm_grpo.checkpoint.paths import is_megatron_checkpoint
 from mm_grpo.models.flux.config import FluxConfig
 from mm_grpo.models.flux.hf_weights import check_hf_weights, load_hf_weights, open_diffusers_weights
 from mm_grpo.models.flux.model import FluxTransformer, transformer_config
@@ -75,6 +78,17 @@ def load_hf_weights_into_chunks(model_chunks: Sequence[FluxTransformer], weights
 
 
 # --- shapes and checks ------------------------------------------------------------------
+def load_pretrained(model_chunks, path):
+    """Weights for one model chunk or a rank's list of chunks, from a converted Megatron
+    checkpoint (any TP/PP) or a diffusers folder (converted on the fly)."""
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    if is_megatron_checkpoint(path):
+        load_megatron_checkpoint(chunks, path)
+    else:
+        load_hf_weights_into_chunks(chunks, path)
+    return model_chunks
+
+
 def _micro_batch_layout(micro_batches: Sequence[Dict]):
     """(micro-batch size, n_txt, n_img); every micro-batch must have the same shapes."""
     if not micro_batches:

@@ -1,6 +1,6 @@
 """Run a MindSpeed-MM entry script with mm-grpo's models registered (`"model_id": "flux"`):
 
-    torchrun $DISTRIBUTED_ARGS -m mm_grpo.run_mindspeed_mm pretrain_sora.py $ARGS
+    torchrun $DISTRIBUTED_ARGS -m mm_grpo.mindspeed_mm.run pretrain_sora.py $ARGS
 
 `import mm_grpo` first sets up the accelerator the way the script would (on Ascend: torch_npu's
 cuda->npu mapping, then MindSpeed's Megatron adaptor, before Megatron is imported); the
@@ -13,9 +13,9 @@ import runpy
 import sys
 
 import mm_grpo  # noqa: F401  (accelerator first)
-from mm_grpo.jsonfile import load_json
-import mm_grpo.models.registry  # noqa: F401  (registers into MindSpeed-MM on its import)
-from mm_grpo.models.flux.predictor import flux_config_from_block, mindspeed_mm_block_error
+from mm_grpo.files.jsonfile import load_json
+import mm_grpo.mindspeed_mm.registry  # noqa: F401  (registers into MindSpeed-MM on its import)
+from mm_grpo.runtime.predictor_block import flux_config_from_block, mindspeed_mm_block_error
 from mm_grpo.training.entry import run_entry
 
 
@@ -49,7 +49,7 @@ def check_predictor_block(argv):
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or not argv[0].endswith(".py"):
-        raise SystemExit("usage: python -m mm_grpo.run_mindspeed_mm SCRIPT.py [ARGS...] "
+        raise SystemExit("usage: python -m mm_grpo.mindspeed_mm.run SCRIPT.py [ARGS...] "
                          "(a MindSpeed-MM entry script, e.g. pretrain_sora.py)")
     # Every rank reads the same file: one line per launch.
     run_entry(lambda: check_predictor_block(argv), agreed=(ValueError, FileNotFoundError))

@@ -2,7 +2,7 @@
 VAE and text encoders: what MindSpeed-MM's `pretrain_sora.py` reads with `"dataset_type": "feature"`
 (examples/flux/mindspeed_mm/pretrain_flux.sh).
 
-    python -m mm_grpo.pipeline.write_features --pipeline /models/FLUX.1-dev --data DATA_DIR \
+    python -m mm_grpo.tools.write_features --pipeline /models/FLUX.1-dev --data DATA_DIR \
         --out $MINDSPEED_MM/flux_features [--resolution 1024] [--max-sequence-length 512] [--device npu]
 
 DATA_DIR is an image-caption folder (`metadata.jsonl` with `file_name` and `text` per line, and the
@@ -27,13 +27,13 @@ import time
 
 import torch
 
-from mm_grpo.checkpoint.atomic import atomic_dir
+from mm_grpo.files.atomic import atomic_dir
 from mm_grpo.data.image_captions import METADATA, ImageCaptionDataset
-from mm_grpo.pipeline.latents import latent_size
-from mm_grpo.pipeline.text import MAX_SEQUENCE_LENGTH, TextEncoders
-from mm_grpo.pipeline.vae import encode_latents, load_vae
+from mm_grpo.encoders.latents import latent_size
+from mm_grpo.encoders.text import MAX_SEQUENCE_LENGTH, TextEncoders
+from mm_grpo.encoders.vae import encode_latents, load_vae
 
-PROG = "mm_grpo.pipeline.write_features"
+PROG = "mm_grpo.tools.write_features"
 FEATURES = "features"  # the subfolder and the data.jsonl paths of MindSpeed-MM's extractor
 DATA_LIST = "data.jsonl"
 # MindSpeed-MM's FeatureDataset keys (mindspeed_mm/data/data_utils/constants.py).

@@ -1,0 +1,105 @@
+"""The `predictor` block of a model.json (MindSpeed-MM's, which mm-grpo's trainers read too) ->
+FLUX's config.
+
+The block holds FLUX's hyperparameters inline under diffusers' `config.json` names. One
+name is shared with MindSpeed-MM and means two things: diffusers' `num_layers` counts the
+double-stream blocks, while PredictModel's counts the blocks `pipeline_num_layers` splits.
+So a block with `pipeline_num_layers` gives `num_layers` as all blocks (double + single,
+57 for FLUX.1) and the double-stream count is `num_layers - num_single_layers`; a block
+without it uses diffusers' meaning.
+
+MindSpeed-MM's argument validation (`mindspeed_mm/patchs/validate_args_patch.py`) sets
+Megatron's `--num-attention-heads` from the block's `num_heads` and `--hidden-size` from
+`num_heads x head_dim`, the names of its own MMDiT (HunyuanVideo's: 24 x 128, as FLUX.1's). So
+the block may name the attention heads and their width MindSpeed-MM's way (`num_heads`,
+`head_dim`) or diffusers' way (`num_attention_heads`, `attention_head_dim`); named both ways,
+they must agree. MindSpeed-MM's scripts need MindSpeed-MM's names (`mindspeed_mm_block_error`).
+"""
+import os
+
+from mm_grpo.checkpoint.metadata import CheckpointMeta
+from mm_grpo.checkpoint.paths import is_megatron_checkpoint, iteration_dir
+from mm_grpo.models.flux.config import DIFFUSERS_FIELDS, FluxConfig
+from mm_grpo.models.flux.hf_weights import transformer_dir
+
+_RUNTIME = ("recompute_blocks", "compile_blocks", "bf16")  # options of a run, not of the weights
+_STAGE = ("pre_process", "post_process", "global_layer_idx")  # PredictModel's, per pipeline stage
+_BLOCK = ("model_id", "from_pretrained", "dtype", "pipeline_num_layers")
+# Read by the SoRAModel interface only (names as MindSpeed-MM's wandit block has them).
+_SORA = ("text_len", "guidance_scale")
+# MindSpeed-MM's name -> diffusers' (see the module docstring).
+MINDSPEED_MM_NAMES = {"num_heads": "num_attention_heads", "head_dim": "attention_head_dim"}
+KNOWN_KEYS = (*DIFFUSERS_FIELDS, *MINDSPEED_MM_NAMES, *_RUNTIME, *_STAGE, *_BLOCK, *_SORA)
+_DTYPES = {"fp32": False, "float32": False, "bf16": True, "bfloat16": True}  # -> bf16 autocast
+
+
+def _flat(layers):
+    return [n for x in layers for n in (_flat(x) if isinstance(x, (list, tuple)) else [x])]
+
+
+def _double_blocks(block: dict, staged: bool) -> int:
+    """The number of double-stream blocks a block names (see the module docstring); `staged`:
+    PredictModel has replaced `num_layers` by the pipeline stage's count."""
+    default = FluxConfig()
+    layers = block.get("pipeline_num_layers")
+    if not layers:
+        return block.get("num_layers", default.num_layers)
+    total = sum(_flat(layers))
+    if not staged and block.get("num_layers", total) != total:
+        raise ValueError(
+            f"predictor block: with pipeline_num_layers, num_layers counts all blocks (double + single) as "
+            f"MindSpeed-MM's PredictModel requires: sum(pipeline_num_layers) = {total}, num_layers = "
+            f"{block['num_layers']} (FLUX.1: 57 = 19 double + 38 single)")
+    n_double = total - block.get("num_single_layers", default.num_single_layers)
+    if n_double < 0:
+        raise ValueError(f"predictor block: sum(pipeline_num_layers) = {total} is less than num_single_layers "
+                         f"= {block.get('num_single_layers', default.num_single_layers)}")
+    return n_double
+
+
+def _bf16(dtype) -> bool:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"predictor dtype {dtype!r}: FLUX runs in fp32 or under bf16 autocast "
+                         f"(use one of {', '.join(_DTYPES)})")
+    return _DTYPES[name]
+
+
+def flux_config_from_block(block: dict, staged: bool = False) -> FluxConfig:
+    """The FLUX architecture (and runtime options) of a `predictor` block: the hyperparameters
+    inline (diffusers' config.json names), else the config.json of a diffusers or converted
+    `from_pretrained` folder. `staged`: the block carries a pipeline stage's arguments."""
+    unknown = sorted(set(block) - set(KNOWN_KEYS))
+    if unknown:
+        raise ValueError(f"unknown key(s) in the flux predictor block: {', '.join(unknown)}; "
+                         f"known: {', '.join(KNOWN_KEYS)}")
+    runtime = {k: block[k] for k in _RUNTIME if k in block}
+    if block.get("dtype") is not None:
+        runtime["bf16"] = runtime.get("bf16", False) or _bf16(block["dtype"])
+    arch = {k: block[k] for k in DIFFUSERS_FIELDS if k in block}
+    for ours, theirs in MINDSPEED_MM_NAMES.items():
+        if ours in block:
+            if arch.setdefault(theirs, block[ours]) != block[ours]:
+                raise ValueError(f"predictor block: {ours} = {block[ours]} and {theirs} = {block[theirs]} are "
+                                 f"MindSpeed-MM's and diffusers' names for the same number; give one, or equal values")
+    if arch:
+        return FluxConfig(**dict(arch, num_layers=_double_blocks(block, staged)), **runtime)
+    path = block.get("from_pretrained")
+    if path and os.path.isdir(path):
+        if is_megatron_checkpoint(path):  # converted by mm-convert: the config is in its shards
+            return CheckpointMeta.load(iteration_dir(path)).config.replace(**runtime)
+        return FluxConfig.from_diffusers_config(transformer_dir(path), **runtime)
+    raise ValueError("flux predictor block: give the architecture inline (diffusers' config.json fields: "
+                     f"{', '.join(DIFFUSERS_FIELDS)}) or a from_pretrained folder holding its config.json")
+
+
+def mindspeed_mm_block_error(block: dict):
+    """Why MindSpeed-MM's argument validation cannot read a flux `block` (it multiplies
+    `num_heads` by `head_dim`, default 1, else a missing --num-attention-heads by it); None if it can."""
+    missing = [k for k in MINDSPEED_MM_NAMES if k not in block]
+    if not missing:
+        return None
+    value = {k: block.get(theirs, getattr(FluxConfig, theirs)) for k, theirs in MINDSPEED_MM_NAMES.items()}
+    return (f"the flux predictor block lacks {' and '.join(missing)}: MindSpeed-MM sets --num-attention-heads "
+            f"from num_heads and --hidden-size from num_heads x head_dim (FLUX.1: 24 x 128 = 3072); add "
+            + ", ".join(f'"{k}": {value[k]}' for k in missing))
