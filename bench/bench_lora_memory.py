@@ -18,7 +18,9 @@ import torch
 import mm_grpo  # noqa: F401  (platform first)
 from bench.bench_parallel_memory import MiB, SavedActivationMeter
 from bench.grpo_setup import PRESETS
+from mm_grpo.encoders.latents import num_image_tokens, token_grid
 from mm_grpo.models.flux import FluxConfig, lora
+from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
 from mm_grpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 from mm_grpo.runtime.chunks import build_model_chunks, forward_backward
 from mm_grpo.training.optim import build_optimizer, wrap_ddp
@@ -33,7 +35,7 @@ def _optimizer_args(lr=1e-5):
 
 def micro_batch(config: FluxConfig, preset, device):
     g = torch.Generator().manual_seed(0)
-    h, w = preset.height // 16, preset.width // 16
+    h, w = token_grid(preset.height, preset.width)
     img_ids = torch.zeros(h, w, 3)
     img_ids[..., 1], img_ids[..., 2] = torch.arange(h)[:, None], torch.arange(w)[None]
     mbs, txt = preset.micro_batch_size, preset.text_tokens
@@ -41,7 +43,7 @@ def micro_batch(config: FluxConfig, preset, device):
     return dict(hidden_states=mk(mbs, h * w, config.in_channels),
                 encoder_hidden_states=mk(mbs, txt, config.joint_attention_dim),
                 pooled_projections=mk(mbs, config.pooled_projection_dim), timestep=torch.rand(mbs).to(device),
-                guidance=torch.full((mbs,), 3.5).to(device), img_ids=img_ids.reshape(-1, 3).to(device),
+                guidance=torch.full((mbs,), FLUX_DEV_GUIDANCE).to(device), img_ids=img_ids.reshape(-1, 3).to(device),
                 txt_ids=torch.zeros(txt, 3).to(device))
 
 
@@ -99,7 +101,7 @@ def main():
             f"LoRA r={args.lora_r}": measure(config, preset, lora.LoRAConfig(args.lora_r, args.lora_alpha, TARGETS))}
     print(f"preset {args.preset}: FLUX D={config.hidden_size}, {config.num_layers}+{config.num_single_layers} blocks, "
           f"micro-batch {preset.micro_batch_size} x ({preset.text_tokens} text + "
-          f"{preset.height // 16 * preset.width // 16} image tokens), fp32; LoRA on {' '.join(TARGETS)}")
+          f"{num_image_tokens(preset.height, preset.width)} image tokens), fp32; LoRA on {' '.join(TARGETS)}")
     cols = ("weights", "gradients", "optimizer", "activations", "total")
     print(f"{'mode':12s} {'trainable':>12s} " + " ".join(f"{c + ' MiB':>16s}" for c in cols))
     for name, r in rows.items():

@@ -24,9 +24,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import mm_grpo  # noqa: F401  (platform first)
 from mm_grpo.models.flux import FluxConfig
+from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
 from mm_grpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
-from mm_grpo.runtime.chunks import build_model_chunks, forward_backward
 from mm_grpo.parallel.state import init_process_group
+from mm_grpo.runtime.chunks import build_model_chunks, forward_backward
 
 LAYOUTS = {
     "single": ParallelConfig(), "TP2": ParallelConfig(tp=2), "TP4": ParallelConfig(tp=4),
@@ -94,7 +95,7 @@ def micro_batches(config, args, device):
     return [dict(hidden_states=mk(args.mbs, args.height * args.width, config.in_channels),
                  encoder_hidden_states=mk(args.mbs, args.txt_len, config.joint_attention_dim),
                  pooled_projections=mk(args.mbs, config.pooled_projection_dim), timestep=torch.rand(args.mbs).to(device),
-                 guidance=torch.full((args.mbs,), 3.5).to(device),
+                 guidance=torch.full((args.mbs,), FLUX_DEV_GUIDANCE).to(device),
                  img_ids=img_ids.reshape(-1, 3).to(device), txt_ids=torch.zeros(args.txt_len, 3).to(device))
             for _ in range(args.micro_batches)]
 

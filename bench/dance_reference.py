@@ -19,8 +19,8 @@ import time
 import torch
 
 from mm_grpo import get_platform
-from mm_grpo.grpo.schedule import GRPOSettings, draw_noise, draw_trained_steps
 from mm_grpo.encoders.latents import prepare_latent_image_ids
+from mm_grpo.grpo.schedule import GRPOSettings, draw_noise, draw_trained_steps
 from mm_grpo.rollout import sigma_schedule
 
 

@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from mm_grpo.seeding import DEFAULT_SEED
+
 PROMPTS = ["a red circle on a white background", "a blue square on a black background",
            "a green triangle above a yellow circle", "two purple squares side by side",
            "a small orange circle in the corner", "a large cyan triangle",
@@ -45,7 +47,7 @@ class Preset:
         from mm_grpo.grpo.schedule import GRPOSettings
         kwargs = dict(global_batch_size=self.batch, micro_batch_size=self.micro_batch_size,
                       num_generations=self.num_generations, num_inference_steps=self.num_inference_steps,
-                      height=self.height, width=self.width, timestep_fraction=self.timestep_fraction, seed=1234)
+                      height=self.height, width=self.width, timestep_fraction=self.timestep_fraction, seed=DEFAULT_SEED)
         kwargs.update(overrides)
         return GRPOSettings(**kwargs)
 
@@ -102,14 +104,20 @@ def iteration_prompts(preset: Preset, iteration: int):
     return [PROMPTS[(iteration * n + j) % len(PROMPTS)] for j in range(n)]
 
 
+def model_json(preset: Preset, paths: dict) -> dict:
+    """The model.json blocks a trainer would read for the preset: its text cache, VAE and reward."""
+    return {"text_encoder": {"embeddings_cache": paths["cache"]}, "ae": {"from_pretrained": paths["pipeline"]},
+            "reward": [{"name": preset.reward}]}
+
+
 def components(preset: Preset, paths: dict, device):
     """(conditioner, decoder, reward) as the trainer builds them."""
-    from mm_grpo.rewards.combined import CombinedReward
     from mm_grpo.training import components as trainer_components
     dtype = torch.bfloat16 if preset.bf16 else torch.float32
-    conditioner = trainer_components.conditioner({"embeddings_cache": paths["cache"]}, device, dtype)
-    decoder = trainer_components.decoder({"from_pretrained": paths["pipeline"]}, device, dtype)
-    return conditioner, decoder, CombinedReward.from_configs([{"name": preset.reward}], device=device)
+    blocks = model_json(preset, paths)
+    return (trainer_components.conditioner(blocks["text_encoder"], device, dtype),
+            trainer_components.decoder(blocks["ae"], device, dtype),
+            trainer_components.grpo_reward(blocks, PROMPTS, device))
 
 
 def optimizer_args(lr: float, iterations: int = 10_000):
@@ -129,9 +137,10 @@ def build_mm_grpo(preset: Preset, paths: dict, device, schedule_cls=None, lora_c
     from mm_grpo.runtime.chunks import load_pretrained
     from mm_grpo.parallel import ParallelConfig, initialize_parallel
     from mm_grpo.runtime.chunks import build_model_chunks
+    from mm_grpo.training import components as trainer_components
     from mm_grpo.training.optim import build_optimizer, build_scheduler, wrap_ddp
     from mm_grpo.training.train_grpo import grpo_iteration
-    initialize_parallel(ParallelConfig(), seed=1234)
+    initialize_parallel(ParallelConfig(), seed=DEFAULT_SEED)
     config = FluxConfig.from_diffusers_config(paths["transformer"], bf16=preset.bf16, recompute_blocks=preset.recompute,
                                              compile_blocks=preset.compile)
     chunks = [chunk.to(device) for chunk in build_model_chunks(config)]
@@ -139,12 +148,13 @@ def build_mm_grpo(preset: Preset, paths: dict, device, schedule_cls=None, lora_c
     if lora_config is not None:
         from mm_grpo.models.flux import lora
         for chunk in chunks:
-            lora.add_adapters(chunk, lora_config, setting_overrides.get("seed", 1234))
+            lora.add_adapters(chunk, lora_config, setting_overrides.get("seed", DEFAULT_SEED))
     policy = wrap_ddp(chunks)
     optimizer = build_optimizer(policy, optimizer_args(preset.lr))
-    conditioner, decoder, reward = components(preset, paths, device)
-    schedule = (schedule_cls or GRPOSchedule)(preset.settings(**setting_overrides), chunks, conditioner=conditioner,
-                                              decoder=decoder, reward=reward, device=device)
+    blocks = model_json(preset, paths)
+    schedule = trainer_components.grpo_schedule(
+        preset.settings(**setting_overrides), chunks, blocks, trainer_components.grpo_reward(blocks, PROMPTS, device),
+        device, torch.bfloat16 if preset.bf16 else torch.float32, schedule_cls=schedule_cls or GRPOSchedule)
     scheduler = build_scheduler(optimizer, optimizer_args(preset.lr))
     return schedule, functools.partial(grpo_iteration, schedule, policy, optimizer, scheduler)
 

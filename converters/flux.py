@@ -30,8 +30,8 @@ from converters.diffusers_io import INDEX_FILE, write_diffusers_folder
 from converters.mindspeed_mm import Converter
 from converters.target_guard import prepare_target
 from mm_grpo.checkpoint import CheckpointMeta, CheckpointWriter, MegatronCheckpoint, is_megatron_checkpoint
-from mm_grpo.files.atomic import atomic_dir, atomic_entries
 from mm_grpo.checkpoint.paths import RELEASE, TRACKER_FILE
+from mm_grpo.files.atomic import atomic_dir, atomic_entries
 from mm_grpo.files.jsonfile import load_json
 from mm_grpo.models.flux import layout
 from mm_grpo.models.flux.config import PRESETS, FluxConfig

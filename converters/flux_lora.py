@@ -13,8 +13,8 @@ from typing import Optional
 from safetensors.torch import save_file
 
 from mm_grpo.checkpoint.adapters import LORA_KEY, AdapterCheckpoint
-from mm_grpo.files.atomic import atomic_dir
 from mm_grpo.checkpoint.paths import iteration_dir
+from mm_grpo.files.atomic import atomic_dir
 from mm_grpo.models.flux import lora as flux_lora
 from mm_grpo.models.flux.lora_hf import LORA_FILE, to_diffusers
 

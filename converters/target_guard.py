@@ -11,9 +11,9 @@ gone) are removed first.
 import os
 import re
 
+from mm_grpo.checkpoint.paths import TRACKER_FILE
 from mm_grpo.files.atomic import remove_stale_temps
 from mm_grpo.files.lock import LOCK_FILE
-from mm_grpo.checkpoint.paths import TRACKER_FILE
 
 ITERATION = re.compile(r"iter_\d{7}")
 

@@ -9,6 +9,7 @@ import enum
 
 import torch
 
+DEFAULT_SEED = 1234  # Megatron's --seed default, which every mm-grpo seed defaults to
 
 class GRPOStream(enum.IntEnum):
     """The draws of a GRPO iteration: `seeded_generator(seed, iteration, stream, sample)`."""

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from mm_grpo.runtime.chunks import make_velocity_fn
 from mm_grpo.rollout import rollout
+from mm_grpo.runtime.chunks import make_velocity_fn
 from mm_grpo.training.loop import optimizer_step
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.grpo_helpers import SMOOTH_REWARD, grpo_argv, run_grpo, write_configs

@@ -1,8 +1,8 @@
 """The offline text-embedding cache gives the trainer what the encoders give."""
 import torch
 
-from mm_grpo.tools.precompute_text import main
 from mm_grpo.encoders.text import TextEmbeddingCache, TextEncoders
+from mm_grpo.tools.precompute_text import main
 from mm_grpo.training.components import conditioner
 
 

@@ -2,10 +2,10 @@
 import os
 import shutil
 
-from mm_grpo.files.atomic import replace_dir
 from mm_grpo.checkpoint.metadata import CheckpointMeta
 from mm_grpo.checkpoint.paths import CHECKPOINT_VERSION, META_KEY, RELEASE, SHARD_FILE, iteration_name, write_tracker
 from mm_grpo.checkpoint.shard_io import ShardWriter, write_shard
+from mm_grpo.files.atomic import replace_dir
 
 
 def temp_dir(root: str, iteration=RELEASE) -> str:

@@ -5,6 +5,8 @@ from typing import List
 
 import torch
 
+from mm_grpo.seeding import DEFAULT_SEED
+
 
 def read_prompts(path: str) -> List[str]:
     """One prompt per line (.txt) or one JSON object per line with `prompt` or `caption` (.jsonl)."""
@@ -41,7 +43,7 @@ class PromptStream:
     Every rank holds the same stream and takes the same global batch, so the position is
     one number (`consumed`) that a checkpoint stores and `--load` restores."""
 
-    def __init__(self, prompts: List[str], seed: int = 1234, shuffle: bool = True, consumed: int = 0):
+    def __init__(self, prompts: List[str], seed: int = DEFAULT_SEED, shuffle: bool = True, consumed: int = 0):
         self.prompts, self.seed, self.shuffle = list(prompts), seed, shuffle
         self.consumed = consumed
 

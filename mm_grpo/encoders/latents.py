@@ -6,6 +6,7 @@ _prepare_latent_image_ids`, as plain functions so the trainer needs no pipeline 
 import torch
 
 VAE_SCALE_FACTOR = 8  # FLUX's VAE: three 2x downsamples
+LATENT_FACTOR = 2 * VAE_SCALE_FACTOR  # image pixels per packed token side: the VAE's factor x 2x2 packing
 
 
 def latent_size(height, width, vae_scale_factor=VAE_SCALE_FACTOR):
@@ -19,10 +20,16 @@ def latent_size(height, width, vae_scale_factor=VAE_SCALE_FACTOR):
     return height // vae_scale_factor, width // vae_scale_factor
 
 
-def num_image_tokens(height, width, vae_scale_factor=VAE_SCALE_FACTOR):
-    """Sequence length of the packed latent: one token per 2x2 latent patch."""
+def token_grid(height, width, vae_scale_factor=VAE_SCALE_FACTOR):
+    """(rows, columns) of the packed latent's tokens for an image, one token per 2x2 latent patch."""
     h, w = latent_size(height, width, vae_scale_factor)
-    return (h // 2) * (w // 2)
+    return h // 2, w // 2
+
+
+def num_image_tokens(height, width, vae_scale_factor=VAE_SCALE_FACTOR):
+    """Sequence length of the packed latent."""
+    rows, columns = token_grid(height, width, vae_scale_factor)
+    return rows * columns
 
 
 def pack_latents(latents):

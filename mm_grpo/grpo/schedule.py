@@ -29,11 +29,13 @@ from mm_grpo.grpo.advantages import NonFiniteRewardError, group_advantages, opti
 from mm_grpo.grpo.loss import awm_loss, grpo_loss, guard_step_weight, nft_loss
 from mm_grpo.grpo.timesteps import (SlidingWindow, branch_window, dance_grpo_timesteps, flow_grpo_timesteps,
                                     window_timesteps)
-from mm_grpo.runtime.chunks import PER_SAMPLE_CONDITIONING, make_velocity_fn
+from mm_grpo.encoders.latents import token_grid
+from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
 from mm_grpo.parallel.state import dp_mean, dp_reduce
 from mm_grpo.rollout import (CONSTANT_FREE_LOG_PROB, SAMPLERS, SharedPrefix, get_sampler, rollout, sde_steps,
                              sigma_schedule)
-from mm_grpo.seeding import GRPOStream, seeded_generator
+from mm_grpo.runtime.chunks import PER_SAMPLE_CONDITIONING, conditioning, make_velocity_fn
+from mm_grpo.seeding import DEFAULT_SEED, GRPOStream, seeded_generator
 from mm_grpo.settings import setting
 
 TIMESTEP_SELECTIONS = ("random", "ordered", "window", "branch")  # DanceGRPO, Flow-GRPO, MixGRPO, Flow-GRPO-Fast
@@ -132,7 +134,7 @@ class GRPOSettings:
     sampler: str = setting("dance_sde", "the rollout's step", choices=sorted(SAMPLERS))
     noise_level: Optional[float] = setting(None, "eta / noise level (sampler default)")
     init_same_noise: bool = setting(False, "same initial noise within a group")
-    guidance_scale: float = setting(3.5, "guidance embedding value (FLUX.1-dev)")
+    guidance_scale: float = setting(FLUX_DEV_GUIDANCE, "guidance embedding value (FLUX.1-dev)")
     height: int = 64  # image size (the trainer's --height / --width, else model.json)
     width: int = 64
     timestep_selection: str = setting(
@@ -160,7 +162,7 @@ class GRPOSettings:
     nft_beta: float = setting(1.0, "nft: beta, the mixing coefficient of the implicit positive / negative policies")
     updates_per_rollout: int = setting(1, "optimizer steps per rollout (update u trains the samples s with "
                                           "s mod U == u)")
-    seed: int = 1234
+    seed: int = DEFAULT_SEED
 
     def check(self, dp_size: int):
         g, n = self.num_generations, self.global_batch_size
@@ -286,7 +288,7 @@ class GRPOSchedule:
         self.sigmas = sigma_schedule(settings.num_inference_steps, settings.sigma_shift).to(self.device)
         self.objective = OBJECTIVES[settings.policy_loss](settings, self.sampler, self.sigmas)
         self.window = SlidingWindow(size=settings.window_size, every=settings.window_shift_every)
-        self.grid = (settings.height // 16, settings.width // 16)  # packed latent grid (VAE 8 x pack 2)
+        self.grid = token_grid(settings.height, settings.width)
 
     # --- sample bookkeeping -------------------------------------------------------
     def local_samples(self) -> range:
@@ -302,12 +304,7 @@ class GRPOSchedule:
         unique = list(dict.fromkeys(prompts))
         embeds, pooled, txt_ids = self.conditioner(unique)
         rows = torch.tensor([unique.index(p) for p in prompts], device=embeds.device)
-        embeds, pooled = embeds[rows], pooled[rows]
-        from mm_grpo.encoders.latents import prepare_latent_image_ids
-        img_ids = prepare_latent_image_ids(*self.grid, device=self.device, dtype=txt_ids.dtype)
-        guidance = torch.full((len(prompts),), self.s.guidance_scale, device=self.device)
-        return dict(encoder_hidden_states=embeds.to(self.device), pooled_projections=pooled.to(self.device),
-                    txt_ids=txt_ids.to(self.device), img_ids=img_ids, guidance=guidance)
+        return conditioning((embeds[rows], pooled[rows], txt_ids), self.grid, self.s.guidance_scale, self.device)
 
     def noise(self, iteration: int, samples: range, channels: int):
         """Initial noise [B, S, C] and step noise [B, N, S, C], per global sample index."""

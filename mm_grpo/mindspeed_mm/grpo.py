@@ -55,10 +55,11 @@ from megatron.core.enums import ModelType
 from megatron.training import get_args
 
 import mm_grpo.mindspeed_mm.registry  # noqa: F401  (`"model_id": "flux"` in MindSpeed-MM's predictor mapping)
-from mm_grpo.files.lock import RunFolderLocked
 from mm_grpo.data import PromptStream
-from mm_grpo.grpo.schedule import GRPOSchedule, GRPOSettings
 from mm_grpo.files.jsonfile import load_json
+from mm_grpo.files.lock import RunFolderLocked
+from mm_grpo.grpo.schedule import GRPOSettings
+from mm_grpo.mindspeed_mm.adapter import GRPOMicroBatches, grpo_forward_step
 from mm_grpo.rewards.combined import CombinedReward
 from mm_grpo.settings import add_setting_args, from_args
 from mm_grpo.training import components, run_guard
@@ -66,7 +67,6 @@ from mm_grpo.training.arguments import add_eval_prompts, add_max_skipped_iterati
 from mm_grpo.training.entry import run_entry, speaks_for_launch
 from mm_grpo.training.evaluation import compare, eval_settings, held_out_evaluator
 from mm_grpo.training.logging_utils import is_logging_rank
-from mm_grpo.mindspeed_mm.adapter import GRPOMicroBatches, grpo_forward_step
 
 OWN_TRAINER = "mm_grpo.training.train_grpo"
 MODEL_BLOCKS = ("predictor", "ae", "text_encoder", "reward")  # what --mm-model must hold
@@ -130,9 +130,7 @@ def parse_launch_args(argv) -> argparse.Namespace:
 
 def grpo_settings(args, model_cfg, dp_size: int) -> GRPOSettings:
     """GRPOSettings from the GRPO flags, Megatron's batch sizes and seed, and model.json's image size."""
-    height, width = model_cfg.get("image_size", [64, 64])
-    if height % 16 or width % 16:
-        raise ValueError(f"--mm-model image_size {height}x{width} must be a multiple of 16 (VAE 8 x packing 2)")
+    height, width = components.image_size(model_cfg)
     if args.global_batch_size is None:
         raise ValueError("--global-batch-size is required: it counts (generation, trained step) rows per "
                          "optimizer step")
@@ -206,8 +204,7 @@ def _check_launch(argv) -> Launch:
     eval_prompts = eval_prompts[:args.eval_prompts] if eval_prompts else None
     if eval_prompts:
         eval_settings(data_cfg["dataset_param"])
-    reward = CombinedReward.from_configs(model_cfg["reward"], device=mm_grpo.get_platform().device)
-    components.check_prompts(model_cfg["text_encoder"], reward, prompts.prompts + (eval_prompts or []))
+    reward = components.grpo_reward(model_cfg, prompts.prompts + (eval_prompts or []), mm_grpo.get_platform().device)
     return Launch(args, model_cfg, data_cfg, settings, prompts, eval_prompts, reward)
 
 
@@ -246,11 +243,8 @@ class GRPOInPretrain:
             self.lock = run_guard.prepare_save_folder(args.save, run_guard.checkpoint_bytes(self.policy))
         device = mm_grpo.get_platform().device
         dtype = torch.bfloat16 if args.bf16 else torch.float32
-        self.schedule = GRPOSchedule(
-            launch.settings, self.policy,
-            conditioner=components.conditioner(launch.model_cfg["text_encoder"], device, dtype),
-            decoder=components.decoder(launch.model_cfg["ae"], device, dtype),
-            reward=launch.reward, ref_policy=self.reference_policy(args, device), device=device)
+        self.schedule = components.grpo_schedule(launch.settings, self.policy, launch.model_cfg, launch.reward,
+                                                 device, dtype, ref_policy=self.reference_policy(args, device))
         if launch.eval_prompts:
             self.evaluator = held_out_evaluator(launch.eval_prompts, self.schedule, launch.data_cfg["dataset_param"],
                                                 self.policy[0].flux_config.in_channels, device)

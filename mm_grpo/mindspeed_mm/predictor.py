@@ -15,9 +15,10 @@ import torch
 from megatron.core import parallel_state
 from torch.nn.modules.module import _IncompatibleKeys
 
-from mm_grpo.models.flux import layout
-from mm_grpo.models.flux.hf_weights import copy_hf_weights
 from mm_grpo.encoders.latents import VAE_SCALE_FACTOR, pack_latents, prepare_latent_image_ids, unpack_latents
+from mm_grpo.models.flux import layout
+from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
+from mm_grpo.models.flux.hf_weights import copy_hf_weights
 from mm_grpo.models.flux.model import FluxTransformer
 from mm_grpo.runtime.predictor_block import flux_config_from_block
 
@@ -69,7 +70,7 @@ class FluxPredictor(FluxTransformer):
         super().__init__(config, pre_process=pre_process, post_process=post_process,
                          block_range=block_range, vp_stage=vp_stage)
         self.text_len = block.get("text_len")
-        self.guidance_scale = block.get("guidance_scale", 3.5)  # FLUX.1-dev, as mm-grpo's trainers default
+        self.guidance_scale = block.get("guidance_scale", FLUX_DEV_GUIDANCE)
 
     def forward(self, *args, **kwargs):
         """diffusers' forward (FluxTransformer's), or the call of MindSpeed-MM's SoRAModel,

@@ -16,6 +16,7 @@ from megatron.core import parallel_state, tensor_parallel
 
 from mm_grpo import get_platform
 from mm_grpo.parallel.ulysses import ULYSSES_CP_ALGO
+from mm_grpo.seeding import DEFAULT_SEED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +68,7 @@ def init_process_group(timeout_minutes: int = 30):
                                 init_method=f"tcp://127.0.0.1:{_free_port()}")
 
 
-def initialize_parallel(parallel: ParallelConfig = ParallelConfig(), seed: int = 1234, timeout_minutes: int = 30):
+def initialize_parallel(parallel: ParallelConfig = ParallelConfig(), seed: int = DEFAULT_SEED, timeout_minutes: int = 30):
     """Start torch.distributed (if needed) and megatron-core's model-parallel groups; a collective
     of any of them times out after `timeout_minutes` (the world group's only if started here)."""
     init_process_group(timeout_minutes)

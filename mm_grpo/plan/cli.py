@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from mm_grpo.encoders.latents import token_grid
 from mm_grpo.plan import components as comps_mod
 from mm_grpo.plan import devices as devices_mod
 from mm_grpo.plan import formulas as f
@@ -61,8 +62,7 @@ def build_parser():
 
 def job_of(args) -> f.Job:
     width = args.width or args.height
-    if args.height <= 0 or width <= 0 or args.height % 16 or width % 16:
-        raise ValueError(f"image size {args.height}x{width} must be positive multiples of 16 (VAE 8 x packing 2)")
+    token_grid(args.height, width)  # one line naming the size unless FLUX's latent layout divides it
     if args.num_generations < 2:
         raise ValueError(f"--num-generations must be >= 2, got {args.num_generations}")
     for name in ("text_tokens", "num_inference_steps", "micro_batch_size", "devices"):

@@ -22,6 +22,7 @@ What the trainer holds (mm_grpo/training/optim.py, trainable.py, grpo/schedule.p
 import dataclasses
 from typing import Dict, List
 
+from mm_grpo.encoders.latents import num_image_tokens
 from mm_grpo.models.flux.config import FluxConfig
 
 TIME_CHANNELS = 256  # sinusoid width of the timestep / guidance embedders (models/flux/embeddings.py)
@@ -57,7 +58,7 @@ class Job:
 
     @property
     def image_tokens(self) -> int:
-        return (self.height // 16) * (self.width // 16)  # VAE 8 x packing 2 (grpo/schedule.py `grid`)
+        return num_image_tokens(self.height, self.width)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ from megatron.core.utils import get_attr_wrapped_model
 
 from mm_grpo.checkpoint.loader import load_megatron_checkpoint
 from mm_grpo.checkpoint.paths import is_megatron_checkpoint
+from mm_grpo.encoders.latents import prepare_latent_image_ids
 from mm_grpo.models.flux.config import FluxConfig
 from mm_grpo.models.flux.hf_weights import check_hf_weights, load_hf_weights, open_diffusers_weights
 from mm_grpo.models.flux.model import FluxTransformer, transformer_config
@@ -171,6 +172,17 @@ def forward_backward(model_chunks: Sequence[FluxTransformer], micro_batches: Seq
 # --- pipelined inference for the rollout -------------------------------------------------
 # Conditioning with one row per sample; txt_ids and img_ids are shared by the batch.
 PER_SAMPLE_CONDITIONING = ("encoder_hidden_states", "pooled_projections", "guidance")
+
+
+def conditioning(text, grid, guidance: float, device) -> dict:
+    """The forward kwargs that depend on the prompts only, one row per prompt: `text` is a
+    conditioner's (T5 embeds, pooled CLIP, txt_ids), `grid` the packed latent's token grid
+    (`encoders.latents.token_grid`), `guidance` the guidance embedding's value."""
+    embeds, pooled, txt_ids = text
+    return dict(encoder_hidden_states=embeds.to(device), pooled_projections=pooled.to(device),
+                txt_ids=txt_ids.to(device),
+                img_ids=prepare_latent_image_ids(*grid, device=device, dtype=txt_ids.dtype),
+                guidance=torch.full((embeds.shape[0],), float(guidance), device=device))
 
 
 def make_velocity_fn(model_chunks: Sequence[FluxTransformer], cond: Dict, micro_batch_size: int):

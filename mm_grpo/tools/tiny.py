@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
+from mm_grpo.encoders.text import transformers_5
 from mm_grpo.files.atomic import atomic_dir
 from mm_grpo.models.flux.config import PRESETS
-from mm_grpo.encoders.text import transformers_5
 
 # Captions the tiny tokenizers are trained on; prompts outside this vocabulary
 # still tokenize (rare characters map to <unk>).

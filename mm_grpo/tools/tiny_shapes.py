@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from mm_grpo.files.atomic import atomic_dir
 from mm_grpo.data.shapes import BACKGROUNDS, ShapesConfig, enumerate_prompts
+from mm_grpo.files.atomic import atomic_dir
 from mm_grpo.tools import tiny
 
 # The tiny transformer with a wider model: D = 4 heads x 24 = 96 (heads divisible by TP x SP = 4).

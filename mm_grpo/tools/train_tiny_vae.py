@@ -28,8 +28,8 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
-from mm_grpo.files.atomic import atomic_dir
 from mm_grpo.data.image_captions import ImageCaptionDataset
+from mm_grpo.files.atomic import atomic_dir
 from mm_grpo.tools.tiny import VAE_CONFIG
 
 

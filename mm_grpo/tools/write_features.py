@@ -27,11 +27,11 @@ import time
 
 import torch
 
-from mm_grpo.files.atomic import atomic_dir
 from mm_grpo.data.image_captions import METADATA, ImageCaptionDataset
 from mm_grpo.encoders.latents import latent_size
 from mm_grpo.encoders.text import MAX_SEQUENCE_LENGTH, TextEncoders
 from mm_grpo.encoders.vae import encode_latents, load_vae
+from mm_grpo.files.atomic import atomic_dir
 
 PROG = "mm_grpo.tools.write_features"
 FEATURES = "features"  # the subfolder and the data.jsonl paths of MindSpeed-MM's extractor

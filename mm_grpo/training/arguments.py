@@ -6,10 +6,11 @@ parallel sizes, batch sizes, optimizer, checkpointing, logging, plus `--mm-model
 """
 import argparse
 
-from mm_grpo.grpo.schedule import GRPOSettings
 from mm_grpo.files.jsonfile import load_json
+from mm_grpo.grpo.schedule import GRPOSettings
 from mm_grpo.models.flux.lora import add_lora_args, check_lora_args
 from mm_grpo.parallel.ulysses import ULYSSES_CP_ALGO
+from mm_grpo.seeding import DEFAULT_SEED
 from mm_grpo.settings import add_setting_args
 
 
@@ -39,7 +40,7 @@ def _add_megatron_args(p):
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="samples (generations) per iteration over all data-parallel ranks")
     g.add_argument("--train-iters", type=int, required=True)
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--seed", type=int, default=DEFAULT_SEED)
     g.add_argument("--bf16", action="store_true", help="bf16 compute with fp32 master weights")
     g.add_argument("--recompute-activations", action="store_true",
                    help="activation checkpointing, one FLUX block at a time")

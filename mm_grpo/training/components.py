@@ -17,6 +17,12 @@ taken from the working directory, as the shell that set the variable would.
 import os
 
 from mm_grpo.data import PromptStream, read_prompts
+from mm_grpo.encoders.latents import token_grid
+from mm_grpo.grpo.schedule import GRPOSchedule
+from mm_grpo.rewards.combined import CombinedReward
+
+MODEL_FLAG = "--mm-model"  # the flag that names model.json, in errors
+DEFAULT_IMAGE_SIZE = (64, 64)  # when neither the flags nor model.json's image_size name one: the tiny demo's
 
 PATH_KEYS = ("from_pretrained", "path")
 PATH_SUFFIXES = ("_file", "_path", "_cache")
@@ -92,3 +98,31 @@ def check_prompts(text_block, reward, prompts):
 def decoder(ae_block, device, dtype):
     from mm_grpo.encoders.vae import VaeDecoder
     return VaeDecoder(block(ae_block, "from_pretrained", "ae"), device=device, dtype=dtype)
+
+
+# --- one GRPO run, as every entry builds it --------------------------------------------------------
+def image_size(model_cfg, height=None, width=None) -> tuple:
+    """(height, width) of the generated images: the flags, else model.json's image_size, else the
+    default; refused in one line if FLUX's latent layout (VAE factor x 2x2 packing) does not divide it."""
+    default = model_cfg.get("image_size", DEFAULT_IMAGE_SIZE)
+    height, width = height or default[0], width or default[1]
+    token_grid(height, width)
+    return height, width
+
+
+def grpo_reward(model_cfg, prompts, device) -> CombinedReward:
+    """model.json's reward, built, with every prompt checked against it and the text encoder: cheap,
+    so every entry runs it before any model is built."""
+    reward = CombinedReward.from_configs(block(model_cfg, "reward", MODEL_FLAG), device=device)
+    check_prompts(block(model_cfg, "text_encoder", MODEL_FLAG), reward, prompts)
+    return reward
+
+
+def grpo_schedule(settings, policy, model_cfg, reward, device, dtype, schedule_cls=GRPOSchedule,
+                  ref_policy=None, old_policy=None) -> GRPOSchedule:
+    """The GRPO schedule of a run: `policy` (this rank's chunks), model.json's text encoder and VAE
+    decoder, the reward `grpo_reward` built; `ref_policy` for the KL term, `old_policy` the sampler."""
+    return schedule_cls(settings, policy,
+                        conditioner=conditioner(block(model_cfg, "text_encoder", MODEL_FLAG), device, dtype),
+                        decoder=decoder(block(model_cfg, "ae", MODEL_FLAG), device, dtype),
+                        reward=reward, ref_policy=ref_policy, old_policy=old_policy, device=device)

@@ -9,23 +9,16 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from mm_grpo.encoders.latents import prepare_latent_image_ids
+from mm_grpo.encoders.latents import token_grid
+from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
 from mm_grpo.rollout import rollout
+from mm_grpo.runtime.chunks import conditioning, make_velocity_fn
 from mm_grpo.seeding import Stream, seeded_generator
 from mm_grpo.training import intervals
 
 PREFIX = "eval/"  # of every stat's key
 TOTAL = "reward_mean"  # the weighted total's name among the stats (eval/reward_mean)
 CI_LOW, CI_HIGH = "_ci_low", "_ci_high"  # suffixes of a stat's interval bounds
-
-
-def conditioning(conditioner: Callable, prompts: List[str], grid, guidance: float, device) -> dict:
-    """The forward kwargs that depend on the prompts only (text, ids, guidance) for a batch."""
-    embeds, pooled, txt_ids = conditioner(prompts)
-    return dict(encoder_hidden_states=embeds.to(device), pooled_projections=pooled.to(device),
-                txt_ids=txt_ids.to(device),
-                img_ids=prepare_latent_image_ids(*grid, device=device, dtype=txt_ids.dtype),
-                guidance=torch.full((len(prompts),), float(guidance), device=device))
 
 
 @dataclasses.dataclass
@@ -110,7 +103,7 @@ class Evaluator:
     reward(images, prompts) -> (total [B], {name: [B]}). Every model-parallel rank calls it."""
 
     def __init__(self, prompts: List[str], conditioner: Callable, decoder: Callable, reward: Callable,
-                 sigmas: torch.Tensor, height: int, width: int, channels: int, guidance: float = 3.5,
+                 sigmas: torch.Tensor, height: int, width: int, channels: int, guidance: float = FLUX_DEV_GUIDANCE,
                  samples_per_prompt: int = 1, seed: int = 0, batch_size: int = 64, device=None):
         if not prompts:
             raise ValueError("evaluation needs at least one prompt")
@@ -123,7 +116,7 @@ class Evaluator:
         self.sigmas, self.height, self.width, self.channels = sigmas, height, width, channels
         self.guidance, self.seed, self.batch_size = guidance, seed, batch_size
         self.device = device or torch.device("cpu")
-        self.grid = (height // 16, width // 16)
+        self.grid = token_grid(height, width)
 
     def noise(self, keys) -> torch.Tensor:
         tokens = self.grid[0] * self.grid[1]
@@ -132,11 +125,10 @@ class Evaluator:
 
     @torch.no_grad()
     def __call__(self, model_chunks) -> EvalResult:
-        from mm_grpo.runtime.chunks import make_velocity_fn
         images, totals, values = [], [], {}
         for start in range(0, len(self.prompts), self.batch_size):
             prompts = self.prompts[start:start + self.batch_size]
-            cond = conditioning(self.conditioner, prompts, self.grid, self.guidance, self.device)
+            cond = conditioning(self.conditioner(prompts), self.grid, self.guidance, self.device)
             traj = rollout(make_velocity_fn(model_chunks, cond, len(prompts)), self.noise(self.keys[start:start + len(prompts)]),
                            self.sigmas, "ode")
             batch = self.decoder(traj.x0_hat, self.height, self.width)

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from mm_grpo.checkpoint import checksum
-from mm_grpo.runtime.chunks import forward_backward
 from mm_grpo.parallel.state import dp_mean
+from mm_grpo.runtime.chunks import forward_backward
 from mm_grpo.training import run_guard
 from mm_grpo.training.checkpointing import load_checkpoint, save_checkpoint
 from mm_grpo.training.logging_utils import TrainLogger

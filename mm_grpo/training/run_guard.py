@@ -21,9 +21,9 @@ import traceback
 
 import torch.distributed as dist
 
+from mm_grpo.checkpoint.shard_io import naming
 from mm_grpo.files.atomic import remove_stale_temps
 from mm_grpo.files.lock import RunFolderLock, RunFolderLocked
-from mm_grpo.checkpoint.shard_io import naming
 
 PROBE_BYTES = 1 << 20  # enough to hit a full disk (and a file-size limit), too little to matter
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>

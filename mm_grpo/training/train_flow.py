@@ -19,19 +19,19 @@ from typing import Dict, List
 import torch
 from megatron.core import parallel_state
 
-from mm_grpo import get_platform
 from mm_grpo.data.image_captions import ImageCaptionDataset
-from mm_grpo.flow import FlowMatchingSettings, flow_matching_loss, noisy_latents, sample_sigmas
-from mm_grpo.parallel import initialize_parallel
-from mm_grpo.encoders.latents import pack_latents
+from mm_grpo.encoders.latents import LATENT_FACTOR, VAE_SCALE_FACTOR, pack_latents, token_grid
 from mm_grpo.encoders.vae import encode_latents
-from mm_grpo.seeding import Stream, seeded_generator
+from mm_grpo.flow import FlowMatchingSettings, flow_matching_loss, noisy_latents, sample_sigmas
+from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
+from mm_grpo.parallel import initialize_parallel
+from mm_grpo.runtime.chunks import conditioning
+from mm_grpo.seeding import DEFAULT_SEED, Stream, seeded_generator
 from mm_grpo.settings import add_setting_args, from_args, setting
 from mm_grpo.training import arguments, components
 from mm_grpo.training.entry import run_entry, train_and_report
-from mm_grpo.training.evaluation import conditioning
-from mm_grpo.training.loop import TrainingRun, optimizer_step
-from mm_grpo.training.trainable import build_trainable, parallel_config, run_configs
+from mm_grpo.training.loop import optimizer_step
+from mm_grpo.training.trainable import ConfiguredRun, build_trainable, parallel_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +39,8 @@ class FlowSettings:
     global_batch_size: int
     micro_batch_size: int
     flow: FlowMatchingSettings
-    guidance_scale: float = setting(3.5, "guidance embedding value (FLUX.1-dev)")
-    seed: int = 1234
+    guidance_scale: float = setting(FLUX_DEV_GUIDANCE, "guidance embedding value (FLUX.1-dev)")
+    seed: int = DEFAULT_SEED
 
     def check(self, dp_size: int):
         if self.micro_batch_size < 1 or self.global_batch_size < 1:
@@ -106,22 +106,18 @@ class FeatureEncoder:
         return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]), rows[0][2]
 
 
-class FlowRun(TrainingRun):
+class FlowRun(ConfiguredRun):
     """Everything one flow-matching run holds, built from the arguments."""
 
     def __init__(self, args):
         super().__init__(args)
-        configs = run_configs(args)
-        self.model_cfg, self.data_cfg, self.flux_config = configs.model, configs.data, configs.flux_config
-        predictor = configs.predictor
-        self.device = get_platform().device
-        height, width = self.model_cfg.get("image_size", [64, 64])
+        height, width = self.model_cfg.get("image_size", components.DEFAULT_IMAGE_SIZE)
         if height != width and not args.height:
             raise ValueError(f"image_size {height}x{width}: flow-matching training reads square images "
                              "(centre-cropped); set a square image_size or --height")
         size = args.height or height
-        if size % 16:
-            raise ValueError(f"image size {size} must be a multiple of 16 (VAE 8 x packing 2)")
+        if size % LATENT_FACTOR:
+            raise ValueError(f"image size {size} must be a multiple of {LATENT_FACTOR} (VAE {VAE_SCALE_FACTOR} x packing 2)")
         self.size = size
         params = components.block(self.data_cfg, "dataset_param", "--mm-data")
         if "data_folder" not in params:
@@ -131,19 +127,19 @@ class FlowRun(TrainingRun):
                                            params.get("caption_column", "text"), resolution=size)
         loader = self.data_cfg.get("dataloader_param", {})
         self.shuffle, self.data_seed = loader.get("shuffle", True), loader.get("seed", args.seed)
-        parallel = parallel_config(args, predictor)
+        parallel = parallel_config(args, self.predictor)
         initialize_parallel(parallel, seed=args.seed, timeout_minutes=args.distributed_timeout_minutes)
         dp_size = parallel_state.get_data_parallel_world_size()
         self.settings = from_args(FlowSettings, args, global_batch_size=args.global_batch_size or
                                   args.micro_batch_size * dp_size, flow=from_args(FlowMatchingSettings, args))
         self.settings.check(dp_size)
-        self.model = build_trainable(args, self.flux_config, predictor, parallel)
+        self.model = build_trainable(args, self.flux_config, self.predictor, parallel)
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         self.features = FeatureEncoder(components.block(self.model_cfg, "ae", "--mm-model"),
                                        components.block(self.model_cfg, "text_encoder", "--mm-model"),
                                        self.dataset, self.flux_config.in_channels, self.device, dtype,
                                        cache=bool(params.get("cache_features", False)))
-        self.grid = (size // 16, size // 16)
+        self.grid = token_grid(size, size)
         self.evaluator = self._evaluator(params)
         if self.model.resume:
             self.resume()
@@ -192,7 +188,7 @@ class FlowRun(TrainingRun):
             noise.append(torch.randn(x0.shape[1:], generator=g))
             sigma.append(sample_sigmas(1, self.settings.flow, tokens, generator=g))
         noise, sigma = torch.stack(noise).to(self.device), torch.cat(sigma).to(self.device)
-        cond = conditioning(self.features.text, self.dataset.captions_of(indices), self.grid,
+        cond = conditioning(self.features.text(self.dataset.captions_of(indices)), self.grid,
                             self.settings.guidance_scale, self.device)
         x_t = noisy_latents(x0, noise, sigma)
         mbs = self.settings.micro_batch_size

@@ -16,21 +16,19 @@ import time
 import torch
 from megatron.core import parallel_state
 
-from mm_grpo import get_platform
 from mm_grpo.checkpoint.paths import EMA_KEY
 from mm_grpo.grpo.schedule import GRPOSchedule, GRPOSettings
 from mm_grpo.models.flux import lora
 from mm_grpo.parallel import initialize_parallel
 from mm_grpo.runtime.chunks import build_model_chunks, load_pretrained
-from mm_grpo.rewards.combined import CombinedReward
 from mm_grpo.settings import from_args
 from mm_grpo.training import components, evaluation
 from mm_grpo.training.arguments import parse_args
 from mm_grpo.training.ema import PolicyEMA
 from mm_grpo.training.entry import run_entry, train_and_report
 from mm_grpo.training.logging_utils import is_logging_rank
-from mm_grpo.training.loop import TrainingRun, optimizer_step
-from mm_grpo.training.trainable import build_trainable, parallel_config, run_configs
+from mm_grpo.training.loop import optimizer_step
+from mm_grpo.training.trainable import ConfiguredRun, build_trainable, parallel_config
 
 
 def grpo_iteration(schedule: GRPOSchedule, chunks, optimizer, scheduler, iteration: int, prompts) -> dict:
@@ -49,34 +47,25 @@ def grpo_iteration(schedule: GRPOSchedule, chunks, optimizer, scheduler, iterati
     return stats
 
 
-class GRPORun(TrainingRun):
+class GRPORun(ConfiguredRun):
     """Everything one GRPO training run holds, built from the arguments."""
 
     def __init__(self, args):
-        super().__init__(args)
         # Cheap checks first: configs, prompt files, rewards (weights paths), batch sizes.
-        configs = run_configs(args)
-        self.model_cfg, self.data_cfg, self.flux_config = configs.model, configs.data, configs.flux_config
-        predictor = configs.predictor
-        self.device = get_platform().device
+        super().__init__(args)
         self.prompts, self.eval_prompts = components.prompt_streams(self.data_cfg, "--mm-data", args.seed)
         if self.eval_prompts:
             evaluation.eval_settings(self.data_cfg["dataset_param"])
-        height, width = args.height or self.model_cfg.get("image_size", [64, 64])[0], \
-            args.width or self.model_cfg.get("image_size", [64, 64])[1]
-        if height % 16 or width % 16:
-            raise ValueError(f"image size {height}x{width} must be a multiple of 16 (VAE 8 x packing 2)")
-        self.reward = CombinedReward.from_configs(components.block(self.model_cfg, "reward", "--mm-model"),
-                                                  device=self.device)
-        components.check_prompts(components.block(self.model_cfg, "text_encoder", "--mm-model"), self.reward,
-                                 self.prompts.prompts + (self.eval_prompts or [])[:args.eval_prompts])
-        parallel = parallel_config(args, predictor)
+        height, width = components.image_size(self.model_cfg, args.height, args.width)
+        self.reward = components.grpo_reward(self.model_cfg, self.prompts.prompts
+                                             + (self.eval_prompts or [])[:args.eval_prompts], self.device)
+        parallel = parallel_config(args, self.predictor)
         initialize_parallel(parallel, seed=args.seed, timeout_minutes=args.distributed_timeout_minutes)
         self.settings = from_args(GRPOSettings, args, global_batch_size=args.global_batch_size or args.num_generations,
                                   height=height, width=width)
         self.settings.check(parallel_state.get_data_parallel_world_size())
         # The policy.
-        self.model = build_trainable(args, self.flux_config, predictor, parallel)
+        self.model = build_trainable(args, self.flux_config, self.predictor, parallel)
         ref_policy = None
         if args.kl_beta > 0 and self.model.lora:  # the base: the policy's own weights, adapters off
             ref_policy = lora.reference_policy(self.model.modules)
@@ -91,13 +80,9 @@ class GRPORun(TrainingRun):
             self.ema = PolicyEMA(self.model.modules, self.flux_config, self.model.pp_layers, args.ema_decay,
                                  args.ema_decay_ramp)
         dtype = torch.bfloat16 if args.bf16 else torch.float32
-        text = components.block(self.model_cfg, "text_encoder", "--mm-model")
-        self.schedule = GRPOSchedule(
-            self.settings, self.model.modules,
-            conditioner=components.conditioner(text, self.device, dtype),
-            decoder=components.decoder(components.block(self.model_cfg, "ae", "--mm-model"), self.device, dtype),
-            reward=self.reward, ref_policy=ref_policy, device=self.device,
-            old_policy=self.ema.modules if self.ema else None)
+        self.schedule = components.grpo_schedule(self.settings, self.model.modules, self.model_cfg, self.reward,
+                                                 self.device, dtype, ref_policy=ref_policy,
+                                                 old_policy=self.ema.modules if self.ema else None)
         self.evaluator = self._evaluator()
         self.train_rewards = []  # reward/mean per iteration from iteration 0, across resumes (the figures)
         if self.model.resume:

@@ -20,6 +20,7 @@ from mm_grpo.parallel import ParallelConfig
 from mm_grpo.runtime.chunks import build_model_chunks, load_pretrained, resolve_pp_layers
 from mm_grpo.runtime.predictor_block import flux_config_from_block
 from mm_grpo.training import components, run_guard
+from mm_grpo.training.loop import TrainingRun
 from mm_grpo.training.optim import build_optimizer, build_scheduler, unwrap, wrap_ddp
 
 
@@ -44,6 +45,18 @@ def run_configs(args) -> RunConfigs:
     flux_config = flux_config_from_block(dict(predictor, recompute_blocks=args.recompute_activations,
                                               bf16=args.bf16, compile_blocks=args.compile_blocks))
     return RunConfigs(model, data, predictor, flux_config)
+
+
+class ConfiguredRun(TrainingRun):
+    """A trainer's run with its configs read first, before anything heavy: model.json, data.json,
+    the predictor block and FLUX's config (`run_configs`), and the device."""
+
+    def __init__(self, args):
+        super().__init__(args)
+        configs = run_configs(args)
+        self.model_cfg, self.data_cfg, self.flux_config = configs.model, configs.data, configs.flux_config
+        self.predictor = configs.predictor
+        self.device = get_platform().device
 
 
 def parallel_config(args, predictor: dict) -> ParallelConfig:

@@ -5,6 +5,8 @@ from typing import Optional, Tuple
 
 from mm_grpo.files.jsonfile import load_json
 
+FLUX_DEV_GUIDANCE = 3.5  # FLUX.1-dev's guidance embedding value (diffusers' FluxPipeline default guidance_scale)
+
 # Fields of diffusers' FluxTransformer2DModel config that define the architecture.
 DIFFUSERS_FIELDS = (
     "patch_size", "in_channels", "out_channels", "num_layers", "num_single_layers",
