@@ -96,16 +96,17 @@ def test_every_adapter_flag_given_is_named():
 
 
 def test_adapter_flags_with_target_modules_make_the_config(tmp_path):
+    from mm_grpo.training import arguments
     for name in ("model.json", "data.json"):
         (tmp_path / name).write_text("{}")
     targets = ["--lora-target-modules", "linear_qkv", "linear_in"]
     args = _parse(*targets, "--lora-r", "4", "--lora-alpha", "2", "--lora-dropout", "0.1", "--lora-load",
                   "x.safetensors", folder=tmp_path)
-    assert lora.config_from_args(args) == lora.LoRAConfig(4, 2.0, ("linear_qkv", "linear_in"), 0.1)
+    assert arguments.lora_config(args) == lora.LoRAConfig(4, 2.0, ("linear_qkv", "linear_in"), 0.1)
     assert args.lora_load == "x.safetensors"
     defaults = lora.LoRAConfig(targets=("linear_qkv", "linear_in"))
-    assert lora.config_from_args(_parse(*targets, folder=tmp_path)) == defaults
-    assert lora.config_from_args(_parse(folder=tmp_path)) is None
+    assert arguments.lora_config(_parse(*targets, folder=tmp_path)) == defaults
+    assert arguments.lora_config(_parse(folder=tmp_path)) is None
 
 
 def test_frozen_base_in_bf16_leaves_the_bf16_autocast_output_unchanged(parallel_1proc):

@@ -5,10 +5,11 @@ parallel sizes, batch sizes, optimizer, checkpointing, logging, plus `--mm-model
 `--mm-data` (MindSpeed-MM's JSON configs) and a GRPO group.
 """
 import argparse
+from typing import Optional
 
 from mm_grpo.files.jsonfile import load_json
 from mm_grpo.grpo.schedule import GRPOSettings
-from mm_grpo.models.flux.lora import add_lora_args, check_lora_args
+from mm_grpo.models.flux import lora
 from mm_grpo.parallel.ulysses import ULYSSES_CP_ALGO
 from mm_grpo.seeding import DEFAULT_SEED
 from mm_grpo.settings import add_setting_args
@@ -94,12 +95,54 @@ def _add_grpo_args(p):
                    help="the EMA's decay after iteration i is min(ramp * i, --ema-decay) (DiffusionNFT's schedule)")
 
 
+# flags that only shape the adapters: without --lora-target-modules they would change nothing
+ADAPTER_FLAGS = {"lora_r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "lora_load": None}
+
+
+def _add_lora_args(parser):
+    """MindSpeed-MM's LoRA arguments (mindspeed_mm/arguments.py `_add_lora_args`): LoRA is on when
+    --lora-target-modules names modules. The adapter flags default to None, so that one given
+    without targets is seen even at its default value; LoRAConfig holds the defaults."""
+    g = parser.add_argument_group("lora")
+    g.add_argument("--lora-target-modules", nargs="+", default=[], choices=sorted(lora.TARGETS),
+                   help="linears that get LoRA adapters (docs/lora.md); none: full fine-tuning")
+    g.add_argument("--lora-r", type=int, default=None, help=f"LoRA rank (default {lora.LoRAConfig.r})")
+    g.add_argument("--lora-alpha", type=float, default=None,
+                   help=f"LoRA alpha, scale alpha / r (default {lora.LoRAConfig.alpha:g})")
+    g.add_argument("--lora-dropout", type=float, default=None,
+                   help=f"dropout on the adapters' input (default {lora.LoRAConfig.dropout:g}; from torch's RNG: "
+                        "layout parity needs 0)")
+    g.add_argument("--lora-load", default=None,
+                   help="starting adapter: a diffusers / PEFT FLUX LoRA (.safetensors file or its folder)")
+    return g
+
+
+def _check_lora_args(args) -> None:
+    """Refuses adapter flags without --lora-target-modules: the run would train the full model."""
+    if args.lora_target_modules:
+        return
+    given = ["--" + dest.replace("_", "-") for dest in ADAPTER_FLAGS if getattr(args, dest) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} given without --lora-target-modules: add --lora-target-modules "
+                         f"(e.g. {' '.join(lora.RECOMMENDED_TARGETS)}), or drop {', '.join(given)} for full fine-tuning")
+
+
+def lora_config(args) -> Optional[lora.LoRAConfig]:
+    """The run's LoRAConfig (LoRAConfig's defaults for the flags not given), or None without
+    --lora-target-modules."""
+    if not args.lora_target_modules:
+        return None
+    given = {field: getattr(args, dest) for dest, field in ADAPTER_FLAGS.items()
+             if field is not None and getattr(args, dest) is not None}
+    return lora.LoRAConfig(targets=tuple(args.lora_target_modules), **given)
+
+
 def build_parser(add_args=_add_grpo_args):
     """The Megatron-style arguments, and the trainer's own group (`add_args(parser)`)."""
     p = argparse.ArgumentParser(description="mm-grpo training (Megatron-style arguments)",
                                 allow_abbrev=False)
     _add_megatron_args(p)
-    add_lora_args(p)
+    _add_lora_args(p)
     add_args(p)
     return p
 
@@ -117,7 +160,7 @@ def check_counts(args):
 def parse_args(argv=None, add_args=_add_grpo_args):
     args = build_parser(add_args).parse_args(argv)
     check_counts(args)
-    check_lora_args(args)
+    _check_lora_args(args)
     args.mm_model_config = load_json(args.mm_model, "--mm-model")
     args.mm_data_config = load_json(args.mm_data, "--mm-data")
     return args

@@ -19,7 +19,7 @@ from mm_grpo.models.flux.config import FluxConfig
 from mm_grpo.parallel import ParallelConfig
 from mm_grpo.runtime.chunks import build_model_chunks, load_pretrained, resolve_pp_layers
 from mm_grpo.runtime.predictor_block import flux_config_from_block
-from mm_grpo.training import components, run_guard
+from mm_grpo.training import arguments, components, run_guard
 from mm_grpo.training.loop import TrainingRun
 from mm_grpo.training.optim import build_optimizer, build_scheduler, unwrap, wrap_ddp
 
@@ -99,7 +99,7 @@ def build_trainable(args, flux_config: FluxConfig, predictor: dict, parallel: Pa
     if initial is None and not resume:
         raise ValueError("no starting weights: give --load or predictor.from_pretrained in --mm-model")
     chunks = build_model_chunks(flux_config, pp_layers)
-    lora_config = lora.config_from_args(args)
+    lora_config = arguments.lora_config(args)
     entry = None
     if lora_config is not None:
         entry = add_lora(chunks, lora_config, args, initial, resume)

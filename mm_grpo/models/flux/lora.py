@@ -82,48 +82,6 @@ class LoRAConfig:
         return cls(data["r"], data["alpha"], tuple(data["targets"]), data.get("dropout", 0.0))
 
 
-# flags that only shape the adapters: without --lora-target-modules they would change nothing
-ADAPTER_FLAGS = {"lora_r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "lora_load": None}
-
-
-def add_lora_args(parser):
-    """MindSpeed-MM's LoRA arguments (mindspeed_mm/arguments.py `_add_lora_args`): LoRA is on when
-    --lora-target-modules names modules. The adapter flags default to None, so that one given
-    without targets is seen even at its default value; LoRAConfig holds the defaults."""
-    g = parser.add_argument_group("lora")
-    g.add_argument("--lora-target-modules", nargs="+", default=[], choices=sorted(TARGETS),
-                   help="linears that get LoRA adapters (docs/lora.md); none: full fine-tuning")
-    g.add_argument("--lora-r", type=int, default=None, help=f"LoRA rank (default {LoRAConfig.r})")
-    g.add_argument("--lora-alpha", type=float, default=None,
-                   help=f"LoRA alpha, scale alpha / r (default {LoRAConfig.alpha:g})")
-    g.add_argument("--lora-dropout", type=float, default=None,
-                   help=f"dropout on the adapters' input (default {LoRAConfig.dropout:g}; from torch's RNG: "
-                        "layout parity needs 0)")
-    g.add_argument("--lora-load", default=None,
-                   help="starting adapter: a diffusers / PEFT FLUX LoRA (.safetensors file or its folder)")
-    return g
-
-
-def check_lora_args(args) -> None:
-    """Refuses adapter flags without --lora-target-modules: the run would train the full model."""
-    if args.lora_target_modules:
-        return
-    given = ["--" + dest.replace("_", "-") for dest in ADAPTER_FLAGS if getattr(args, dest) is not None]
-    if given:
-        raise ValueError(f"{', '.join(given)} given without --lora-target-modules: add --lora-target-modules "
-                         f"(e.g. {' '.join(RECOMMENDED_TARGETS)}), or drop {', '.join(given)} for full fine-tuning")
-
-
-def config_from_args(args) -> Optional[LoRAConfig]:
-    """The run's LoRAConfig (LoRAConfig's defaults for the flags not given), or None without
-    --lora-target-modules."""
-    if not args.lora_target_modules:
-        return None
-    given = {field: getattr(args, dest) for dest, field in ADAPTER_FLAGS.items()
-             if field is not None and getattr(args, dest) is not None}
-    return LoRAConfig(targets=tuple(args.lora_target_modules), **given)
-
-
 # --- which linears, and the layout rules of their adapters ----------------------------------
 def target_of(module_path: str) -> Optional[str]:
     """The --lora-target-modules name of a linear of the model, or None."""
