@@ -160,7 +160,7 @@ def job_of(preset, steps, mbs, extra):
 
 def predict(row, paths):
     """The plan's prediction for every rank of a measured row: the worst rank's breakdown."""
-    from mm_grpo.plan.components import components_of_pipeline
+    from mm_grpo.plan.frozen_parts import components_of_pipeline
     from mm_grpo.plan.formulas import Layout, model_of, rank_memory
     tp, pp, sp, extra = LAYOUTS[row["layout"]]
     job = job_of(PRESETS["bench"], row["steps"], row["mbs"], extra)
@@ -240,7 +240,7 @@ def report(path):
 
 
 def probe_vae():
-    """Values per output pixel of one image's no-grad decode (plan/components.py's constants): the
+    """Values per output pixel of one image's no-grad decode (plan/frozen_parts.py's constants): the
     FLUX.1 VAE architecture (random weights; the slope between 64 and 128 px, where the full-resolution
     levels dominate) and the bench pipeline's tiny VAE at 256 px, both fp32."""
     from diffusers import AutoencoderKL

@@ -9,7 +9,7 @@ from bench.plan_validate import LiveTensorMeter
 from mm_grpo.models.flux import FluxConfig
 from mm_grpo.plan import formulas as f
 from mm_grpo.plan.cli import main
-from mm_grpo.plan.components import components_of_pipeline, flux_components
+from mm_grpo.plan.frozen_parts import components_of_pipeline, flux_components
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.grpo_helpers import run_grpo, write_configs
 

@@ -12,7 +12,7 @@ import json
 import sys
 
 from mm_grpo.encoders.latents import token_grid
-from mm_grpo.plan import components as comps_mod
+from mm_grpo.plan import frozen_parts
 from mm_grpo.plan import devices as devices_mod
 from mm_grpo.plan import formulas as f
 
@@ -42,7 +42,7 @@ def build_parser():
                    help="fp32: mm-grpo's trainer (fp32 parameters, bf16 autocast); bf16: Megatron's bf16 "
                         "parameters with fp32 master weights")
     g.add_argument("--kl-reference", action="store_true", help="--kl-beta > 0: a frozen reference copy")
-    g.add_argument("--reward", default="hps", choices=sorted(comps_mod.REWARD_PARAMS))
+    g.add_argument("--reward", default="hps", choices=sorted(frozen_parts.REWARD_PARAMS))
     g.add_argument("--text-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="precomputed text embeddings (else T5-XXL + CLIP-L on every rank)")
     g = p.add_argument_group("devices")
@@ -107,7 +107,7 @@ def plan(args):
     config = f.model_of(args.model)
     job = job_of(args)
     device = devices_mod.device(args.device, args.device_memory)
-    comps = comps_mod.flux_components(args.reward, args.text_cache)
+    comps = frozen_parts.flux_components(args.reward, args.text_cache)
     rows = []
     for lay in candidate_layouts(config, args):
         if args.prompts_per_iteration is None:  # one group per data-parallel rank

@@ -327,7 +327,7 @@ def vae_bytes(comps, job):
 
 def vae_decode_bytes(comps, job, layout):
     """Decode of this rank's B images at once (encoders/vae.py decodes the batch in one call):
-    B x H x W x values-per-pixel (measured constant, plan/components.py) x element size."""
+    B x H x W x values-per-pixel (measured constant, plan/frozen_parts.py) x element size."""
     B = job.batch // layout.dp
     return B * job.height * job.width * comps.vae_decode_values_per_pixel * (2 if job.bf16 else 4)
 

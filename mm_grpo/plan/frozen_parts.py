@@ -1,4 +1,4 @@
-"""What a GRPO run holds on each rank besides the FLUX transformer: VAE, text encoders (or the
+"""The frozen parts of a GRPO run on each rank besides the FLUX transformer: VAE, text encoders (or the
 text-embedding cache), reward model. Sizes are public parameter counts or read from a
 diffusers pipeline folder; the VAE decode working set is a measured constant per VAE.
 """
