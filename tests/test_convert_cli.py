@@ -14,7 +14,7 @@ from converters import flux
 from converters.convert_cli import main
 from mm_grpo.checkpoint.shard_io import ShardWriter
 from mm_grpo.models.flux import FluxConfig
-from tests.utils import random_reference
+from tests.utils import random_reference, run_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = FluxConfig.preset("tiny")
@@ -34,14 +34,8 @@ def diffusers_folder(path, state_dict, config=TINY):
 
 
 def run(capsys, *args):
-    """main(args) -> (exit status, stdout, stderr)."""
-    try:
-        main(list(map(str, args)))
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    """mm-convert's main(args) -> (exit status, stdout, stderr)."""
+    return run_main(main, capsys, *args)
 
 
 def hf_to_mm(capsys, source, target, *extra):

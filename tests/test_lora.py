@@ -16,20 +16,22 @@ def _model(seed=3):
     return load_hf_weights(FluxTransformer(CONFIG), random_reference(CONFIG, seed=seed).state_dict())
 
 
-def test_new_adapters_give_the_base_output_bit_for_bit(parallel_1proc):
+def _model_inputs_and_base_output():
     model = _model()
     inputs = make_inputs(CONFIG, batch=2, height=3, width=4, txt_len=5)
     with torch.no_grad():
-        base = model(**inputs)
+        return model, inputs, model(**inputs)
+
+
+def test_new_adapters_give_the_base_output_bit_for_bit(parallel_1proc):
+    model, inputs, base = _model_inputs_and_base_output()
+    with torch.no_grad():
         lora.add_adapters(model, ALL, seed=1)
         assert torch.equal(model(**inputs), base)
 
 
 def test_only_adapters_train_and_adapters_off_is_the_base(parallel_1proc):
-    model = _model()
-    inputs = make_inputs(CONFIG, batch=2, height=3, width=4, txt_len=5)
-    with torch.no_grad():
-        base = model(**inputs)
+    model, inputs, base = _model_inputs_and_base_output()
     lora.add_adapters(model, ALL, seed=1)
     lora.copy_full_adapters(model, random_adapters(model, ALL), ALL)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}

@@ -22,18 +22,14 @@ from mm_grpo.models.flux import FluxConfig, FluxTransformer
 from mm_grpo.models.flux.hf_weights import load_hf_weights
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.megatron_save import HAS_MEGATRON_TRAINING, legacy_args, legacy_save, megatron_save
-from tests.utils import assert_one_line_error, random_reference
+from tests.utils import assert_one_line_error, random_reference, run_main
 
 TINY = FluxConfig.preset("tiny")  # axes_dims_rope (4, 6, 6): not FLUX.1's, so it cannot be guessed
 
 
 def cli(capsys, *args):
-    try:
-        main(list(map(str, args)))
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr().err
+    code, _, err = run_main(main, capsys, *args)
+    return code, err
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,17 @@ def assert_one_line_error(fn, match, exc=ValueError):
     assert "\n" not in str(info.value)
 
 
+def run_main(main, capsys, *args):
+    """A command's `main(args)` -> (exit status, stdout, stderr)."""
+    try:
+        main(list(map(str, args)))
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def clip_pil_image_processor():
     """transformers' PIL-backend CLIP image processor: CLIPImageProcessorPil in transformers 5,
     CLIPImageProcessor in 4.x (MindSpeed-MM's 4.57)."""
