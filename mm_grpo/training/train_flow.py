@@ -14,7 +14,7 @@ resumed run reads exactly what an uninterrupted one would. Noise and timesteps a
 """
 import dataclasses
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from megatron.core import parallel_state
@@ -51,14 +51,19 @@ class FlowSettings:
                              f"{dp_size} x micro-batch size {self.micro_batch_size}")
 
 
+@dataclasses.dataclass(frozen=True)
+class FlowRunSettings:
+    """The flow trainer's image size and held-out evaluation (read from the arguments by name)."""
+    height: Optional[int] = setting(None, "side of the square training images (default: model.json image_size)")
+    eval_prompts: int = setting(64, "held-out prompts per evaluation")
+    num_inference_steps: int = setting(16, "ODE steps of the evaluation")
+    sigma_shift: float = setting(3.0, "shift of the evaluation's sigma schedule")
+
+
 def add_flow_args(parser):
-    g = add_setting_args(add_setting_args(parser.add_argument_group("flow matching"), FlowMatchingSettings),
-                         FlowSettings)
-    g.add_argument("--height", type=int, default=None,
-                   help="side of the square training images (default: model.json image_size)")
-    g.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts per evaluation")
-    g.add_argument("--num-inference-steps", type=int, default=16, help="ODE steps of the evaluation")
-    g.add_argument("--sigma-shift", type=float, default=3.0, help="shift of the evaluation's sigma schedule")
+    group = parser.add_argument_group("flow matching")
+    for settings in (FlowMatchingSettings, FlowSettings, FlowRunSettings):
+        add_setting_args(group, settings)
     return parser
 
 
