@@ -43,6 +43,11 @@ class Preset:
     def batch(self) -> int:
         return self.num_generations * self.prompts_per_iteration
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The frozen parts' compute dtype, as the trainer's --bf16 sets it."""
+        return torch.bfloat16 if self.bf16 else torch.float32
+
     def settings(self, **overrides):
         from mm_grpo.grpo.schedule import GRPOSettings
         kwargs = dict(global_batch_size=self.batch, micro_batch_size=self.micro_batch_size,
@@ -113,10 +118,9 @@ def model_json(preset: Preset, paths: dict) -> dict:
 def components(preset: Preset, paths: dict, device):
     """(conditioner, decoder, reward) as the trainer builds them."""
     from mm_grpo.training import components as trainer_components
-    dtype = torch.bfloat16 if preset.bf16 else torch.float32
     blocks = model_json(preset, paths)
-    return (trainer_components.conditioner(blocks["text_encoder"], device, dtype),
-            trainer_components.decoder(blocks["ae"], device, dtype),
+    return (trainer_components.conditioner(blocks["text_encoder"], device, preset.dtype),
+            trainer_components.decoder(blocks["ae"], device, preset.dtype),
             trainer_components.grpo_reward(blocks, PROMPTS, device))
 
 
@@ -154,7 +158,7 @@ def build_mm_grpo(preset: Preset, paths: dict, device, schedule_cls=None, lora_c
     blocks = model_json(preset, paths)
     schedule = trainer_components.grpo_schedule(
         preset.settings(**setting_overrides), chunks, blocks, trainer_components.grpo_reward(blocks, PROMPTS, device),
-        device, torch.bfloat16 if preset.bf16 else torch.float32, schedule_cls=schedule_cls or GRPOSchedule)
+        device, preset.dtype, schedule_cls=schedule_cls or GRPOSchedule)
     scheduler = build_scheduler(optimizer, optimizer_args(preset.lr))
     return schedule, functools.partial(grpo_iteration, schedule, policy, optimizer, scheduler)
 

@@ -36,16 +36,22 @@ class EvalResult:
         return {k: v.reshape(-1, self.samples_per_prompt) for k, v in named.items()}
 
 
+def _row_intervals(rows: torch.Tensor):
+    """(lows, highs) of the bootstrap interval of each row's mean, rows [n, prompts, noises] resampled
+    with the same cells; None where it is not defined: fewer than 2 samples, or a non-finite score
+    (which already shows as a non-finite mean)."""
+    if rows[0].numel() < 2 or not bool(torch.isfinite(rows).all()):
+        return None
+    low, high = intervals.percentile_interval(intervals.bootstrap_means(rows))
+    return low.tolist(), high.tolist()
+
+
 def with_intervals(stats: Dict[str, float], tables: Dict[str, torch.Tensor]) -> Dict[str, float]:
-    """`stats` plus eval/<name>_ci_low / _ci_high for each table, where the bootstrap is defined
-    (at least 2 samples, all finite: a non-finite score already shows as a non-finite mean)."""
-    if not tables:
+    """`stats` plus eval/<name>_ci_low / _ci_high for each table, where the bootstrap is defined."""
+    found = _row_intervals(torch.stack(list(tables.values()))) if tables else None
+    if found is None:
         return stats
-    stacked = torch.stack(list(tables.values()))
-    if stacked[0].numel() < 2 or not bool(torch.isfinite(stacked).all()):
-        return stats
-    low, high = intervals.percentile_interval(intervals.bootstrap_means(stacked))
-    bounds = {PREFIX + name: (lo, hi) for name, lo, hi in zip(tables, low.tolist(), high.tolist())}
+    bounds = {PREFIX + name: (lo, hi) for name, lo, hi in zip(tables, *found)}
     out = {}
     for key, value in stats.items():  # each mean followed by its bounds (the logged line reads in order)
         out[key] = value
@@ -79,11 +85,9 @@ def compare(before_stats: Dict[str, float], after_stats: Dict[str, float], befor
     if before is not None and after is not None:
         old, new = before.tables(), after.tables()
         paired = [k for k in keys if _name(k) in old and _name(k) in new]
-        if paired:
-            stacked = torch.stack([new[_name(k)] - old[_name(k)] for k in paired])
-            if stacked[0].numel() >= 2 and bool(torch.isfinite(stacked).all()):
-                low, high = intervals.percentile_interval(intervals.bootstrap_means(stacked))
-                gains = {k: f" [{lo:+.3f}, {hi:+.3f}]" for k, lo, hi in zip(paired, low.tolist(), high.tolist())}
+        found = _row_intervals(torch.stack([new[_name(k)] - old[_name(k)] for k in paired])) if paired else None
+        if found is not None:
+            gains = {k: f" [{lo:+.3f}, {hi:+.3f}]" for k, lo, hi in zip(paired, *found)}
     parts = [f"{_name(k)} {mean_and_interval(before_stats, k)} -> {mean_and_interval(after_stats, k)}, "
              f"gain {after_stats[k] - before_stats[k]:+.4f}{gains.get(k, '')}" for k in keys]
     result = before or after
