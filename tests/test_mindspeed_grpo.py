@@ -286,7 +286,7 @@ REFUSALS = {
     "kl_resumed_without_start": (lambda t: ["--kl-beta", "0.1", "--mm-model", "{no_from_pretrained}", "--load",
                                             _tracker(t / "ckpt", 1)],
                                  r"--kl-beta > 0 needs the starting weights: predictor.from_pretrained"),
-    "max_skipped": (["--max-skipped-iterations", "-1"], r"need --max-skipped-iterations >= 0"),
+    "max_skipped": (["--max-skipped-iterations", "-1"], r"--max-skipped-iterations must be >= 0, got -1"),
     "prompt_file": (lambda t: ["--mm-data", "{missing_prompts}"], r"prompt file not found"),
 }
 

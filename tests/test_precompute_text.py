@@ -1,4 +1,5 @@
 """The offline text-embedding cache gives the trainer what the encoders give."""
+import pytest
 import torch
 
 from mm_grpo.encoders.text import TextEmbeddingCache, TextEncoders
@@ -16,3 +17,18 @@ def test_cache_serves_the_same_embeddings_as_the_encoders(tiny_pipeline_dir, tmp
     direct = TextEncoders(tiny_pipeline_dir, max_sequence_length=32).encode
     for a, b in zip(cached(prompts[::-1]), direct(prompts[::-1])):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case, message", [("no prompts", "p.txt"), ("no pipeline", "missing"),
+                                           ("zero tokens", "--max-sequence-length must be >= 1, got 0")])
+def test_bad_input_is_one_line_and_writes_nothing(tiny_pipeline_dir, tmp_path, capsys, case, message):
+    if case != "no prompts":
+        (tmp_path / "p.txt").write_text("a red circle\n")
+    pipeline = tmp_path / "missing" if case == "no pipeline" else tiny_pipeline_dir
+    tokens = "0" if case == "zero tokens" else "32"
+    with pytest.raises(SystemExit) as exit_:
+        main(["--pipeline", str(pipeline), "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "c.safetensors"),
+              "--max-sequence-length", tokens])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert message in err and not (tmp_path / "c.safetensors").exists()

@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from mm_grpo.files.atomic import atomic_dir, atomic_write_text
+from mm_grpo.settings import add_setting_args, from_args, setting
 
 # Five hues around the colour wheel and two neutral backgrounds: any two of the seven are at
 # least 150 apart in RGB, so nearest-colour classification survives a lossy tiny VAE (with a
@@ -41,19 +42,20 @@ FAMILIES = ("single", "count", "pair", "relation")
 
 @dataclasses.dataclass(frozen=True)
 class ShapesConfig:
-    """What the generator may draw (plain data; `python -m mm_grpo.data.shapes --help` sets it)."""
+    """What the generator may draw (plain data; its fields are `python -m mm_grpo.data.shapes`'s flags)."""
 
-    image_size: int = 64
-    colors: Tuple[str, ...] = tuple(COLORS)
-    shapes: Tuple[str, ...] = SHAPES
-    backgrounds: Tuple[str, ...] = tuple(BACKGROUNDS)
-    relations: Tuple[str, ...] = tuple(RELATIONS)
-    max_count: int = 3  # the count family uses 2..max_count
-    grid: int = 4  # objects centred in cells of a grid x grid partition; 0: anywhere
-    min_size: int = 12  # object side / diameter in pixels
-    max_size: int = 14
-    family_weights: Tuple[float, ...] = (1.0, 1.0, 1.0, 2.0)  # single, count, pair, relation
-    caption_background: bool = False  # add "on a <background> background" to captions
+    image_size: int = setting(64, "side of the square images in pixels")
+    colors: Tuple[str, ...] = setting(tuple(COLORS), "comma-separated, from " + ",".join(COLORS), sep=",")
+    shapes: Tuple[str, ...] = setting(SHAPES, "comma-separated, from " + ",".join(SHAPES), sep=",")
+    backgrounds: Tuple[str, ...] = setting(tuple(BACKGROUNDS), "comma-separated, from " + ",".join(BACKGROUNDS),
+                                           sep=",")
+    relations: Tuple[str, ...] = setting(tuple(RELATIONS), "comma-separated, from " + ",".join(RELATIONS), sep=",")
+    max_count: int = setting(3, "the count family uses 2..max-count objects")
+    grid: int = setting(4, "objects centred in cells of a grid x grid partition (0: anywhere)")
+    min_size: int = setting(12, "object side / diameter in pixels, at least")
+    max_size: int = setting(14, "object side / diameter in pixels, at most")
+    family_weights: Tuple[float, ...] = setting((1.0, 1.0, 1.0, 2.0), "weights of " + ",".join(FAMILIES), sep=",")
+    caption_background: bool = setting(False, 'add "on a <background> background" to captions')
     gap: int = 2  # pixels between the bounding boxes of two objects
 
     def __post_init__(self):
@@ -325,16 +327,12 @@ def _read_lines(paths):
 
 
 # --- command line ------------------------------------------------------------------------
-def _csv(text):
-    return tuple(x.strip() for x in text.split(",") if x.strip())
-
-
-def _config_from_args(args) -> ShapesConfig:
-    return ShapesConfig(image_size=args.image_size, colors=args.colors, shapes=args.shapes,
-                        backgrounds=args.backgrounds, relations=args.relations, max_count=args.max_count, grid=args.grid,
-                        min_size=args.min_size, max_size=args.max_size,
-                        family_weights=tuple(float(w) for w in args.family_weights),
-                        caption_background=args.caption_background)
+@dataclasses.dataclass(frozen=True)
+class SplitSettings:
+    """`split`'s own flags."""
+    held_out: float = setting(0.2, "fraction of each held-out family")
+    held_out_families: Tuple[str, ...] = setting(("count", "pair", "relation"),
+                                                 "comma-separated, from " + ",".join(FAMILIES), sep=",")
 
 
 def main(argv=None):
@@ -347,26 +345,13 @@ def main(argv=None):
     gen.add_argument("--exclude", nargs="*", default=(), help="never draw a caption listed in these files")
     split = sub.add_parser("split", help="write pretrain.txt, grpo.txt, eval.txt (disjoint captions)")
     split.add_argument("--out", required=True, help="folder for the three prompt files")
-    split.add_argument("--held-out", type=float, default=0.2, help="fraction of each held-out family")
-    split.add_argument("--held-out-families", type=_csv, default=("count", "pair", "relation"))
-    defaults = ShapesConfig()
+    add_setting_args(split, SplitSettings)
     for p in (gen, split):
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--image-size", type=int, default=defaults.image_size)
-        p.add_argument("--colors", type=_csv, default=defaults.colors, help="comma-separated, from " + ",".join(COLORS))
-        p.add_argument("--shapes", type=_csv, default=defaults.shapes)
-        p.add_argument("--backgrounds", type=_csv, default=defaults.backgrounds)
-        p.add_argument("--relations", type=_csv, default=defaults.relations, help="above,below,left of,right of")
-        p.add_argument("--max-count", type=int, default=defaults.max_count)
-        p.add_argument("--grid", type=int, default=defaults.grid, help="objects in cells of a grid (0: anywhere)")
-        p.add_argument("--min-size", type=int, default=defaults.min_size)
-        p.add_argument("--max-size", type=int, default=defaults.max_size)
-        p.add_argument("--family-weights", type=_csv, default=defaults.family_weights,
-                       help="weights of single,count,pair,relation")
-        p.add_argument("--caption-background", action="store_true")
+        add_setting_args(p, ShapesConfig)
     args = parser.parse_args(argv)
     try:
-        config = _config_from_args(args)
+        config = from_args(ShapesConfig, args)
         if args.command == "generate":
             prompts = _read_lines(args.prompts) if args.prompts is not None else None
             print(generate_dataset(args.out, args.num_images, args.seed, config, prompts, _read_lines(args.exclude)))

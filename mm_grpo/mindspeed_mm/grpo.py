@@ -61,9 +61,9 @@ from mm_grpo.files.lock import RunFolderLocked
 from mm_grpo.grpo.schedule import GRPOSettings
 from mm_grpo.mindspeed_mm.adapter import GRPOMicroBatches, grpo_forward_step
 from mm_grpo.rewards.combined import CombinedReward
-from mm_grpo.settings import add_setting_args, from_args
+from mm_grpo.settings import add_setting_args, check_minimums, from_args
 from mm_grpo.training import components, run_guard
-from mm_grpo.training.arguments import add_eval_prompts, add_max_skipped_iterations
+from mm_grpo.training.arguments import GuardArgs, HeldOutArgs
 from mm_grpo.training.entry import run_entry, speaks_for_launch
 from mm_grpo.training.evaluation import compare, eval_settings, held_out_evaluator
 from mm_grpo.training.logging_utils import is_logging_rank
@@ -84,6 +84,10 @@ EMA_REFUSAL = (
     f"would not hold mm-grpo's EMA): use {OWN_TRAINER} for an EMA policy (nft's old policy, the evaluated weights)")
 
 
+# the GRPO group's flags beside MindSpeed-MM's own (the batch sizes and the seed are Megatron's)
+OWN_SETTINGS = (GRPOSettings, GuardArgs, HeldOutArgs)
+
+
 class LaunchRefused(ValueError):
     """A refusal computed from the command line and the files it names: the same on every process."""
 
@@ -92,9 +96,9 @@ def add_grpo_args(parser):
     """MindSpeed-MM's --mm-data / --mm-model / --mm-tool and the GRPO group (GRPOSettings' flags,
     --max-skipped-iterations, --eval-prompts; the batch sizes and the seed are Megatron's own)."""
     from mindspeed_mm.configs.config import mm_extra_args_provider
-    group = add_setting_args(mm_extra_args_provider(parser).add_argument_group("grpo"), GRPOSettings)
-    add_max_skipped_iterations(group)
-    add_eval_prompts(group)
+    group = mm_extra_args_provider(parser).add_argument_group("grpo")
+    for cls in OWN_SETTINGS:
+        add_setting_args(group, cls)
     return parser
 
 
@@ -175,9 +179,7 @@ def _check_launch(argv) -> Launch:
         raise ValueError(EMA_REFUSAL.format(flag="--ema-decay"))
     if args.pipeline_model_parallel_size > 1:
         raise ValueError(PP_REFUSAL.format(pp=args.pipeline_model_parallel_size))
-    if args.max_skipped_iterations < 0 or args.eval_prompts < 1:
-        raise ValueError(f"need --max-skipped-iterations >= 0 and --eval-prompts >= 1, got "
-                         f"{args.max_skipped_iterations} and {args.eval_prompts}")
+    check_minimums(args, *OWN_SETTINGS)
     model_parallel = args.tensor_model_parallel_size * args.context_parallel_size
     if args.world_size % model_parallel:
         raise ValueError(f"{args.world_size} processes do not split into tensor x context parallel groups of "

@@ -15,6 +15,7 @@ from mm_grpo.encoders.latents import token_grid
 from mm_grpo.plan import frozen_parts
 from mm_grpo.plan import devices as devices_mod
 from mm_grpo.plan import formulas as f
+from mm_grpo.settings import add_setting_args, check_minimums, from_args
 
 GB = 10 ** 9
 
@@ -24,27 +25,10 @@ def build_parser():
     g = p.add_argument_group("model and job")
     g.add_argument("--model", default="flux-dev",
                    help="flux-dev, flux-schnell, tiny, or a diffusers transformer config.json / folder")
-    g.add_argument("--height", type=int, default=1024)
-    g.add_argument("--width", type=int, default=None, help="default: --height")
-    g.add_argument("--text-tokens", type=int, default=512, help="T5 max_sequence_length")
-    g.add_argument("--num-generations", type=int, default=12, help="G: images per prompt")
+    add_setting_args(g, f.Job)
     g.add_argument("--prompts-per-iteration", type=int, default=None,
                    help="prompts per iteration over all ranks (default: one per data-parallel rank)")
-    g.add_argument("--num-inference-steps", type=int, default=16, help="N")
-    g.add_argument("--timestep-fraction", type=float, default=0.6, help="trained-step fraction")
-    g.add_argument("--micro-batch-size", type=int, default=1)
-    g.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning")
-    g.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True,
-                   help="activation recompute, one block at a time")
-    g.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 compute")
-    g.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="fp32: mm-grpo's trainer (fp32 parameters, bf16 autocast); bf16: Megatron's bf16 "
-                        "parameters with fp32 master weights")
-    g.add_argument("--kl-reference", action="store_true", help="--kl-beta > 0: a frozen reference copy")
     g.add_argument("--reward", default="hps", choices=sorted(frozen_parts.REWARD_PARAMS))
-    g.add_argument("--text-cache", action=argparse.BooleanOptionalAction, default=True,
-                   help="precomputed text embeddings (else T5-XXL + CLIP-L on every rank)")
     g = p.add_argument_group("devices")
     g.add_argument("--devices", type=int, required=True, help="number of devices")
     g.add_argument("--device-memory", type=float, default=None, help="GB per device (default: the profile's)")
@@ -61,25 +45,16 @@ def build_parser():
 
 
 def job_of(args) -> f.Job:
-    width = args.width or args.height
-    token_grid(args.height, width)  # one line naming the size unless FLUX's latent layout divides it
-    if args.num_generations < 2:
-        raise ValueError(f"--num-generations must be >= 2, got {args.num_generations}")
-    for name in ("text_tokens", "num_inference_steps", "micro_batch_size", "devices"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.num_inference_steps < 2:
-        raise ValueError(f"--num-inference-steps must be >= 2, got {args.num_inference_steps}")
+    check_minimums(args, f.Job)
+    if args.devices < 1:
+        raise ValueError(f"--devices must be >= 1, got {args.devices}")
     if not 0 < args.timestep_fraction <= 1:
         raise ValueError(f"--timestep-fraction must be in (0, 1], got {args.timestep_fraction}")
-    if args.lora_rank < 0 or not 0 < args.mfu <= 1:
-        raise ValueError(f"need --lora-rank >= 0 and --mfu in (0, 1], got {args.lora_rank} and {args.mfu}")
-    return f.Job(height=args.height, width=width, text_tokens=args.text_tokens,
-                 num_generations=args.num_generations, prompts_per_iteration=args.prompts_per_iteration or 1,
-                 num_inference_steps=args.num_inference_steps, timestep_fraction=args.timestep_fraction,
-                 micro_batch_size=args.micro_batch_size, lora_rank=args.lora_rank, recompute=args.recompute,
-                 distributed_optimizer=args.distributed_optimizer, bf16=args.bf16, param_dtype=args.param_dtype,
-                 kl_reference=args.kl_reference, text_cache=args.text_cache)
+    if not 0 < args.mfu <= 1:
+        raise ValueError(f"--mfu must be in (0, 1], got {args.mfu}")
+    job = from_args(f.Job, args, prompts_per_iteration=args.prompts_per_iteration or 1)
+    token_grid(job.height, job.width)  # one line naming the size unless FLUX's latent layout divides it
+    return job
 
 
 def candidate_layouts(config, args):

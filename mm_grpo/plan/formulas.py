@@ -20,10 +20,11 @@ What the trainer holds (mm_grpo/training/optim.py, trainable.py, grpo/schedule.p
   in bf16). Frozen weights also change what autograd saves (`block_activation_values`).
 """
 import dataclasses
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from mm_grpo.encoders.latents import num_image_tokens
 from mm_grpo.models.flux.config import FluxConfig
+from mm_grpo.settings import setting
 
 TIME_CHANNELS = 256  # sinusoid width of the timestep / guidance embedders (models/flux/embeddings.py)
 ADAM_STATES = 2  # exp_avg, exp_avg_sq
@@ -31,21 +32,27 @@ ADAM_STATES = 2  # exp_avg, exp_avg_sq
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    height: int = 1024
-    width: int = 1024
-    text_tokens: int = 512  # T5 max_sequence_length
-    num_generations: int = 12  # G
+    """One GRPO iteration's shape; its fields with a help text are `mm-grpo plan`'s flags."""
+    height: int = setting(1024, "image height", minimum=1)
+    width: Optional[int] = setting(None, "image width (default: --height)")
+    text_tokens: int = setting(512, "T5 max_sequence_length", minimum=1)
+    num_generations: int = setting(12, "G: images per prompt", minimum=2)
     prompts_per_iteration: int = 1  # prompts per iteration, all data-parallel ranks together
-    num_inference_steps: int = 16  # N
-    timestep_fraction: float = 0.6
-    micro_batch_size: int = 1
-    lora_rank: int = 0  # 0: full fine-tuning
-    recompute: bool = False
-    distributed_optimizer: bool = True
-    bf16: bool = True  # bf16 compute (autocast)
-    param_dtype: str = "fp32"  # "fp32": mm-grpo's trainer; "bf16": Megatron bf16 params + fp32 master
-    kl_reference: bool = False  # --kl-beta > 0
-    text_cache: bool = True
+    num_inference_steps: int = setting(16, "N: denoising steps", minimum=2)
+    timestep_fraction: float = setting(0.6, "trained-step fraction")
+    micro_batch_size: int = setting(1, "samples per forward/backward", minimum=1)
+    lora_rank: int = setting(0, "0: full fine-tuning", minimum=0)
+    recompute: bool = setting(True, "activation recompute, one block at a time")
+    distributed_optimizer: bool = setting(True, "optimizer state sharded over the data-parallel ranks")
+    bf16: bool = setting(True, "bf16 compute (autocast)")
+    param_dtype: str = setting("fp32", "fp32: mm-grpo's trainer (fp32 parameters, bf16 autocast); bf16: Megatron's "
+                                       "bf16 parameters with fp32 master weights", choices=("fp32", "bf16"))
+    kl_reference: bool = setting(False, "--kl-beta > 0: a frozen reference copy")
+    text_cache: bool = setting(True, "precomputed text embeddings (else T5-XXL + CLIP-L on every rank)")
+
+    def __post_init__(self):
+        if self.width is None:
+            object.__setattr__(self, "width", self.height)
 
     @property
     def batch(self) -> int:

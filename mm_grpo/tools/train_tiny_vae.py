@@ -30,20 +30,21 @@ import torch.nn.functional as F
 
 from mm_grpo.data.image_captions import ImageCaptionDataset
 from mm_grpo.files.atomic import atomic_dir
+from mm_grpo.settings import add_setting_args, check_minimums, from_args, setting
 from mm_grpo.tools.tiny import VAE_CONFIG
 
 
 @dataclasses.dataclass(frozen=True)
 class VaeTraining:
-    steps: int = 2000
-    batch_size: int = 8
-    lr: float = 2e-3  # AdamW, cosine decay to 0
-    latent_noise: float = 0.15  # noise std / std of the latents, added before decoding
-    anchor_weight: float = 1.0  # pull latent channels 0-2 to the image's 8x8 mean colours
+    steps: int = setting(2000, "optimizer steps", minimum=1)
+    batch_size: int = setting(8, "images per step", minimum=1)
+    lr: float = setting(2e-3, "AdamW's learning rate, cosine decay to 0")
+    latent_noise: float = setting(0.15, "noise std / std of the latents, added before decoding")
+    anchor_weight: float = setting(1.0, "pull latent channels 0-2 to the image's 8x8 mean colours")
     foreground_weight: float = 10.0
     edge_weight: float = 20.0
     block_out_channels: Tuple[int, ...] = (8, 16, 32, 32)
-    seed: int = 0
+    seed: int = setting(0, "seed of the initial weights and the batches")
 
 
 def build_vae(block_out_channels=(8, 16, 32, 32), seed=0):
@@ -117,27 +118,21 @@ def reconstruct(vae, images):
 
 
 def main(argv=None):
-    defaults = VaeTraining()
     parser = argparse.ArgumentParser(prog="python -m mm_grpo.tools.train_tiny_vae",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--data", required=True, help="image-caption folder (metadata.jsonl + images)")
     parser.add_argument("--out", required=True, help="VAE folder to create (e.g. PIPELINE/vae)")
-    parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--lr", type=float, default=defaults.lr)
-    parser.add_argument("--latent-noise", type=float, default=defaults.latent_noise)
-    parser.add_argument("--anchor-weight", type=float, default=defaults.anchor_weight)
+    add_setting_args(parser, VaeTraining)
     parser.add_argument("--held-out", type=int, default=256, help="last N images: not trained on, reported")
-    parser.add_argument("--seed", type=int, default=defaults.seed)
     args = parser.parse_args(argv)
     try:
+        check_minimums(args, VaeTraining)
         dataset = ImageCaptionDataset(args.data)
         n = len(dataset) - args.held_out
         if n < 1:
             raise ValueError(f"{args.data} has {len(dataset)} images: too few for --held-out {args.held_out}")
         start = time.time()
-        vae = train_vae(dataset.images(range(n)), VaeTraining(args.steps, args.batch_size, args.lr, args.latent_noise,
-                                                               args.anchor_weight, seed=args.seed))
+        vae = train_vae(dataset.images(range(n)), from_args(VaeTraining, args))
         save_vae(vae, args.out)
         report = f"vae: {sum(p.numel() for p in vae.parameters()):,} parameters"
         if args.held_out:

@@ -32,6 +32,8 @@ from mm_grpo.encoders.latents import latent_size
 from mm_grpo.encoders.text import MAX_SEQUENCE_LENGTH, TextEncoders
 from mm_grpo.encoders.vae import encode_latents, load_vae
 from mm_grpo.files.atomic import atomic_dir
+from mm_grpo.settings import add_setting_args, check_minimums, from_args
+from mm_grpo.tools.encoding import EncoderSettings
 
 PROG = "mm_grpo.tools.write_features"
 FEATURES = "features"  # the subfolder and the data.jsonl paths of MindSpeed-MM's extractor
@@ -111,27 +113,24 @@ def write_features(pipeline_dir, data_dir, out, resolution=None, max_sequence_le
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
-    p.add_argument("--pipeline", required=True, help="diffusers FLUX pipeline folder (vae/, text encoders, tokenizers)")
+    add_setting_args(p, EncoderSettings)
     p.add_argument("--data", required=True, help="image-caption folder: metadata.jsonl + images")
     p.add_argument("--out", required=True, help="folder to write (data.jsonl, features/)")
     p.add_argument("--resolution", type=int, default=None,
                    help="resize and centre-crop every image to this square size (default: keep the images' "
                         "size, which must be one size for all)")
-    p.add_argument("--max-sequence-length", type=int, default=MAX_SEQUENCE_LENGTH,
-                   help="T5 tokens per caption (the predictor block's text_len)")
     p.add_argument("--image-column", default="file_name")
     p.add_argument("--caption-column", default="text")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="of the VAE, the text encoders and the features written")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     args = p.parse_args(argv)
     start = time.time()
     try:
+        check_minimums(args, EncoderSettings)
+        enc = from_args(EncoderSettings, args)
         n, (height, width) = write_features(
-            args.pipeline, args.data, args.out, args.resolution, args.max_sequence_length, args.image_column,
-            args.caption_column, args.device, getattr(torch, args.dtype), args.batch_size, args.overwrite)
+            enc.pipeline, args.data, args.out, args.resolution, enc.max_sequence_length, args.image_column,
+            args.caption_column, enc.device, enc.torch_dtype, args.batch_size, args.overwrite)
     except (ValueError, OSError) as e:  # bad input, missing or existing paths, full disk
         print(f"{PROG}: error: {e}", file=sys.stderr)
         sys.exit(2)

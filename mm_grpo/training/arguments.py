@@ -5,116 +5,137 @@ parallel sizes, batch sizes, optimizer, checkpointing, logging, plus `--mm-model
 `--mm-data` (MindSpeed-MM's JSON configs) and a GRPO group.
 """
 import argparse
-from typing import Optional
+import dataclasses
+from typing import Optional, Tuple
 
 from mm_grpo.files.jsonfile import load_json
 from mm_grpo.grpo.schedule import GRPOSettings
 from mm_grpo.models.flux import lora
 from mm_grpo.parallel.ulysses import ULYSSES_CP_ALGO
 from mm_grpo.seeding import DEFAULT_SEED
-from mm_grpo.settings import add_setting_args
+from mm_grpo.settings import add_setting_args, check_minimums, setting
+
+# Each class is one argument group; its fields are the flags (mm_grpo/settings.py). The trainers
+# read them from the parsed namespace by Megatron's names (args.lr, args.save, ...).
 
 
-def add_max_skipped_iterations(group):
-    """--max-skipped-iterations (mm-grpo's trainers and mm_grpo.mindspeed_mm.grpo)."""
-    group.add_argument("--max-skipped-iterations", type=int, default=10,
-                       help="stop with an error after this many iterations in a row without an optimizer step "
-                            "(non-finite rewards, loss or gradients); 0: never")
+@dataclasses.dataclass(frozen=True)
+class DistributedArgs:
+    tensor_model_parallel_size: int = setting(1, "tensor-parallel size (TP)", minimum=1)
+    pipeline_model_parallel_size: int = setting(1, "pipeline-parallel size (PP)", minimum=1)
+    context_parallel_size: int = setting(1, "sequence-parallel size (Ulysses; MindSpeed's context parallelism)",
+                                         minimum=1)
+    context_parallel_algo: str = setting(ULYSSES_CP_ALGO, "context-parallel algorithm (FLUX runs Ulysses)",
+                                         choices=[ULYSSES_CP_ALGO])
+    use_distributed_optimizer: bool = setting(False, "shard the optimizer state over the data-parallel ranks")
+    distributed_timeout_minutes: int = setting(30, "timeout of every collective", minimum=1)
 
 
-def add_eval_prompts(group):
-    """--eval-prompts (mm-grpo's GRPO trainer and mm_grpo.mindspeed_mm.grpo)."""
-    group.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per evaluation")
+@dataclasses.dataclass(frozen=True)
+class GuardArgs:
+    """Shared with mm_grpo.mindspeed_mm.grpo."""
+    max_skipped_iterations: int = setting(
+        10, "stop with an error after this many iterations in a row without an optimizer step "
+            "(non-finite rewards, loss or gradients); 0: never", minimum=0)
 
 
-def _add_megatron_args(p):
-    g = p.add_argument_group("distributed")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--context-parallel-size", type=int, default=1)
-    g.add_argument("--context-parallel-algo", default=ULYSSES_CP_ALGO, choices=[ULYSSES_CP_ALGO])
-    g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=30)
-
-    g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=1)
-    g.add_argument("--global-batch-size", type=int, default=None,
-                   help="samples (generations) per iteration over all data-parallel ranks")
-    g.add_argument("--train-iters", type=int, required=True)
-    g.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    g.add_argument("--bf16", action="store_true", help="bf16 compute with fp32 master weights")
-    g.add_argument("--recompute-activations", action="store_true",
-                   help="activation checkpointing, one FLUX block at a time")
-    add_max_skipped_iterations(g)
-    g.add_argument("--compile-blocks", action="store_true",
-                   help="torch.compile each FLUX block (fuses element-wise ops; the first iteration compiles)")
-
-    g = p.add_argument_group("optimizer (AdamW)")
-    g.add_argument("--lr", type=float, default=1e-5)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", default="constant", choices=["constant", "linear", "cosine"])
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-decay-iters", type=int, default=None)
-    g.add_argument("--weight-decay", type=float, default=1e-4)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-
-    g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None,
-                   help="a training checkpoint to resume, or a converted `release` checkpoint to start from")
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument("--no-verify", action="store_true",
-                   help="read checkpoint files without checking them against their sha256 files")
-
-    g = p.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=1)
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--eval-interval", type=int, default=None)
-    g.add_argument("--save-image-interval", type=int, default=None)
-    g.add_argument("--no-progress-bar", action="store_true")
-
-    g = p.add_argument_group("mindspeed-mm")
-    g.add_argument("--mm-model", required=True, help="model.json (ae, text_encoder, predictor, reward)")
-    g.add_argument("--mm-data", required=True, help="data.json (dataset_param, dataloader_param)")
+@dataclasses.dataclass(frozen=True)
+class TrainingArgs:
+    micro_batch_size: int = setting(1, "samples per forward/backward on one rank")
+    global_batch_size: Optional[int] = setting(None, "samples (generations) per iteration over all data-parallel ranks")
+    train_iters: int = setting(None, "iterations to train", required=True, minimum=0)
+    seed: int = setting(DEFAULT_SEED, "seed of every random stream (Megatron's default)")
+    bf16: bool = setting(False, "bf16 compute with fp32 master weights")
+    recompute_activations: bool = setting(False, "activation checkpointing, one FLUX block at a time")
+    compile_blocks: bool = setting(False, "torch.compile each FLUX block (fuses element-wise ops; the first "
+                                          "iteration compiles)")
 
 
-def _add_grpo_args(p):
-    g = add_setting_args(p.add_argument_group("grpo"), GRPOSettings)
-    g.add_argument("--height", type=int, default=None, help="image height (model.json default)")
-    g.add_argument("--width", type=int, default=None)
-    add_eval_prompts(g)
-    g.add_argument("--ema-decay", type=float, default=0.0,
-                   help="keep an EMA of the policy with at most this decay (0: none): it is nft's old policy "
-                        "(it samples the rollouts) and the policy the held-out evaluation scores; checkpointed")
-    g.add_argument("--ema-decay-ramp", type=float, default=0.001,
-                   help="the EMA's decay after iteration i is min(ramp * i, --ema-decay) (DiffusionNFT's schedule)")
+@dataclasses.dataclass(frozen=True)
+class OptimizerArgs:
+    """AdamW and its learning-rate schedule (Megatron's OptimizerConfig / OptimizerParamScheduler)."""
+    lr: float = setting(1e-5, "peak learning rate")
+    min_lr: float = setting(0.0, "learning rate at the end of the decay")
+    lr_decay_style: str = setting("constant", "learning-rate decay", choices=["constant", "linear", "cosine"])
+    lr_warmup_iters: int = setting(0, "linear warm-up from 0, in iterations")
+    lr_decay_iters: Optional[int] = setting(None, "iterations of the decay (default: --train-iters)")
+    weight_decay: float = setting(1e-4, "AdamW's decoupled weight decay")
+    adam_beta1: float = setting(0.9, "AdamW's beta1")
+    adam_beta2: float = setting(0.999, "AdamW's beta2")
+    adam_eps: float = setting(1e-8, "AdamW's epsilon")
+    clip_grad: float = setting(1.0, "gradient-norm clipping (over all ranks)")
 
 
-# flags that only shape the adapters: without --lora-target-modules they would change nothing
-ADAPTER_FLAGS = {"lora_r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "lora_load": None}
+@dataclasses.dataclass(frozen=True)
+class CheckpointArgs:
+    save: Optional[str] = setting(None, "folder of the training checkpoints")
+    load: Optional[str] = setting(None, "a training checkpoint to resume, or a converted `release` checkpoint "
+                                        "to start from")
+    save_interval: Optional[int] = setting(None, "iterations between checkpoints", minimum=0)
+    no_load_optim: bool = setting(False, "resume the weights without the optimizer state")
+    no_load_rng: bool = setting(False, "resume without the random generators' states")
+    no_verify: bool = setting(False, "read checkpoint files without checking them against their sha256 files")
 
 
-def _add_lora_args(parser):
+@dataclasses.dataclass(frozen=True)
+class LoggingArgs:
+    log_interval: int = setting(1, "iterations between logged lines", minimum=1)
+    tensorboard_dir: Optional[str] = setting(None, "TensorBoard event folder")
+    eval_interval: Optional[int] = setting(None, "iterations between held-out evaluations", minimum=0)
+    save_image_interval: Optional[int] = setting(None, "iterations between saved rollout images", minimum=0)
+    no_progress_bar: bool = setting(False, "no progress bar (logged lines only)")
+
+
+@dataclasses.dataclass(frozen=True)
+class MindSpeedMMArgs:
+    mm_model: str = setting(None, "model.json (ae, text_encoder, predictor, reward)", required=True)
+    mm_data: str = setting(None, "data.json (dataset_param, dataloader_param)", required=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAArgs:
     """MindSpeed-MM's LoRA arguments (mindspeed_mm/arguments.py `_add_lora_args`): LoRA is on when
     --lora-target-modules names modules. The adapter flags default to None, so that one given
     without targets is seen even at its default value; LoRAConfig holds the defaults."""
-    g = parser.add_argument_group("lora")
-    g.add_argument("--lora-target-modules", nargs="+", default=[], choices=sorted(lora.TARGETS),
-                   help="linears that get LoRA adapters (docs/lora.md); none: full fine-tuning")
-    g.add_argument("--lora-r", type=int, default=None, help=f"LoRA rank (default {lora.LoRAConfig.r})")
-    g.add_argument("--lora-alpha", type=float, default=None,
-                   help=f"LoRA alpha, scale alpha / r (default {lora.LoRAConfig.alpha:g})")
-    g.add_argument("--lora-dropout", type=float, default=None,
-                   help=f"dropout on the adapters' input (default {lora.LoRAConfig.dropout:g}; from torch's RNG: "
-                        "layout parity needs 0)")
-    g.add_argument("--lora-load", default=None,
-                   help="starting adapter: a diffusers / PEFT FLUX LoRA (.safetensors file or its folder)")
-    return g
+    lora_target_modules: Tuple[str, ...] = setting(
+        (), "linears that get LoRA adapters (docs/lora.md); none: full fine-tuning", choices=sorted(lora.TARGETS))
+    lora_r: Optional[int] = setting(None, f"LoRA rank (default {lora.LoRAConfig.r})")
+    lora_alpha: Optional[float] = setting(None, f"LoRA alpha, scale alpha / r (default {lora.LoRAConfig.alpha:g})")
+    lora_dropout: Optional[float] = setting(
+        None, f"dropout on the adapters' input (default {lora.LoRAConfig.dropout:g}; from torch's RNG: layout "
+              "parity needs 0)")
+    lora_load: Optional[str] = setting(None, "starting adapter: a diffusers / PEFT FLUX LoRA (.safetensors file "
+                                             "or its folder)")
+
+
+# the LoRA flags that only shape the adapters (-> their LoRAConfig field): without
+# --lora-target-modules they would change nothing
+ADAPTER_FLAGS = {"lora_r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "lora_load": None}
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldOutArgs:
+    """Shared with mm_grpo.mindspeed_mm.grpo."""
+    eval_prompts: int = setting(8, "held-out prompts per evaluation", minimum=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPORunArgs:
+    """mm-grpo's GRPO trainer's own flags beside GRPOSettings."""
+    height: Optional[int] = setting(None, "image height (model.json default)")
+    width: Optional[int] = setting(None, "image width (model.json default)")
+    ema_decay: float = setting(0.0, "keep an EMA of the policy with at most this decay (0: none): it is nft's old "
+                                    "policy (it samples the rollouts) and the policy the held-out evaluation "
+                                    "scores; checkpointed")
+    ema_decay_ramp: float = setting(0.001, "the EMA's decay after iteration i is min(ramp * i, --ema-decay) "
+                                           "(DiffusionNFT's schedule)")
+
+
+# argument group -> the classes whose flags it holds, in the order of Megatron's parser
+MEGATRON_GROUPS = {"distributed": (DistributedArgs,), "training": (TrainingArgs, GuardArgs),
+                   "optimizer (AdamW)": (OptimizerArgs,), "checkpointing": (CheckpointArgs,),
+                   "logging": (LoggingArgs,), "mindspeed-mm": (MindSpeedMMArgs,), "lora": (LoRAArgs,)}
+GRPO_GROUP = {"grpo": (GRPOSettings, HeldOutArgs, GRPORunArgs)}
 
 
 def _check_lora_args(args) -> None:
@@ -137,29 +158,20 @@ def lora_config(args) -> Optional[lora.LoRAConfig]:
     return lora.LoRAConfig(targets=tuple(args.lora_target_modules), **given)
 
 
-def build_parser(add_args=_add_grpo_args):
-    """The Megatron-style arguments, and the trainer's own group (`add_args(parser)`)."""
+def build_parser(own_groups=GRPO_GROUP):
+    """The Megatron-style arguments and the trainer's own groups (title -> settings classes)."""
     p = argparse.ArgumentParser(description="mm-grpo training (Megatron-style arguments)",
                                 allow_abbrev=False)
-    _add_megatron_args(p)
-    _add_lora_args(p)
-    add_args(p)
+    for title, classes in {**MEGATRON_GROUPS, **own_groups}.items():
+        group = p.add_argument_group(title)
+        for cls in classes:
+            add_setting_args(group, cls)
     return p
 
 
-def check_counts(args):
-    """Counts and intervals that would otherwise fail deep inside (a division by zero on one rank)."""
-    for name in ("log_interval", "distributed_timeout_minutes"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("train_iters", "save_interval", "eval_interval", "save_image_interval", "max_skipped_iterations"):
-        if (getattr(args, name) or 0) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-
-
-def parse_args(argv=None, add_args=_add_grpo_args):
-    args = build_parser(add_args).parse_args(argv)
-    check_counts(args)
+def parse_args(argv=None, own_groups=GRPO_GROUP):
+    args = build_parser(own_groups).parse_args(argv)
+    check_minimums(args, *(cls for classes in {**MEGATRON_GROUPS, **own_groups}.values() for cls in classes))
     _check_lora_args(args)
     args.mm_model_config = load_json(args.mm_model, "--mm-model")
     args.mm_data_config = load_json(args.mm_data, "--mm-data")

@@ -27,7 +27,7 @@ from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
 from mm_grpo.parallel import initialize_parallel
 from mm_grpo.runtime.chunks import conditioning
 from mm_grpo.seeding import DEFAULT_SEED, Stream, seeded_generator
-from mm_grpo.settings import add_setting_args, from_args, setting
+from mm_grpo.settings import from_args, setting
 from mm_grpo.training import arguments, components
 from mm_grpo.training.entry import run_entry, train_and_report
 from mm_grpo.training.loop import optimizer_step
@@ -60,15 +60,11 @@ class FlowRunSettings:
     sigma_shift: float = setting(3.0, "shift of the evaluation's sigma schedule")
 
 
-def add_flow_args(parser):
-    group = parser.add_argument_group("flow matching")
-    for settings in (FlowMatchingSettings, FlowSettings, FlowRunSettings):
-        add_setting_args(group, settings)
-    return parser
+FLOW_GROUP = {"flow matching": (FlowMatchingSettings, FlowSettings, FlowRunSettings)}
 
 
 def parse_args(argv=None):
-    return arguments.parse_args(argv, add_args=add_flow_args)
+    return arguments.parse_args(argv, own_groups=FLOW_GROUP)
 
 
 class FeatureEncoder:
