@@ -23,9 +23,11 @@ setup(
         "pillow",
         "accelerate",  # diffusers' low-memory loading
         "peft",  # diffusers' LoRA loading (FluxPipeline.load_lora_weights) and PEFT LoRA files
+        "requests",  # remote rewards (mm_grpo/rewards/remote.py)
     ],
     extras_require={
         "test": ["pytest>=8", "coverage>=7.10"],  # coverage: python -m tests.env_split
+        "serve": ["fastapi", "uvicorn"],  # the reward server (python -m mm_grpo.tools.reward_server)
         # megatron-core is an extra, so that an environment with Megatron-LM's tree on PYTHONPATH
         # (MindSpeed-MM's) does not get a second megatron. 0.12.x is MindSpeed's pin; 0.16.1 the
         # newest for Python 3.11; `import mm_grpo` checks the version of whichever is in use.

@@ -109,10 +109,11 @@ def iteration_prompts(preset: Preset, iteration: int):
     return [PROMPTS[(iteration * n + j) % len(PROMPTS)] for j in range(n)]
 
 
-def model_json(preset: Preset, paths: dict) -> dict:
-    """The model.json blocks a trainer would read for the preset: its text cache, VAE and reward."""
+def model_json(preset: Preset, paths: dict, reward: Optional[list] = None) -> dict:
+    """The model.json blocks a trainer would read for the preset: its text cache, VAE and reward
+    (`reward`: another reward block than the preset's)."""
     return {"text_encoder": {"embeddings_cache": paths["cache"]}, "ae": {"from_pretrained": paths["pipeline"]},
-            "reward": [{"name": preset.reward}]}
+            "reward": reward or [{"name": preset.reward}]}
 
 
 def components(preset: Preset, paths: dict, device):
@@ -131,10 +132,12 @@ def optimizer_args(lr: float, iterations: int = 10_000):
                               lr_decay_iters=None, lr_warmup_iters=0, lr_decay_style="constant")
 
 
-def build_mm_grpo(preset: Preset, paths: dict, device, schedule_cls=None, lora_config=None, **setting_overrides):
+def build_mm_grpo(preset: Preset, paths: dict, device, schedule_cls=None, lora_config=None, reward=None,
+                  **setting_overrides):
     """mm-grpo's GRPO schedule for one process, built as the trainer builds it, and its iteration
     `step(iteration, prompts) -> stats` (the trainer's `grpo_iteration`). `lora_config`: a
-    `lora.LoRAConfig` trains adapters on the frozen base instead of the whole model."""
+    `lora.LoRAConfig` trains adapters on the frozen base instead of the whole model; `reward`:
+    a model.json reward block instead of the preset's reward."""
     import functools
     from mm_grpo.grpo.schedule import GRPOSchedule
     from mm_grpo.models.flux import FluxConfig
@@ -155,7 +158,7 @@ def build_mm_grpo(preset: Preset, paths: dict, device, schedule_cls=None, lora_c
             lora.add_adapters(chunk, lora_config, setting_overrides.get("seed", DEFAULT_SEED))
     policy = wrap_ddp(chunks)
     optimizer = build_optimizer(policy, optimizer_args(preset.lr))
-    blocks = model_json(preset, paths)
+    blocks = model_json(preset, paths, reward)
     schedule = trainer_components.grpo_schedule(
         preset.settings(**setting_overrides), chunks, blocks, trainer_components.grpo_reward(blocks, PROMPTS, device),
         device, preset.dtype, schedule_cls=schedule_cls or GRPOSchedule)

@@ -37,7 +37,7 @@ else bash "$REPO/shell/setup_env.sh"; PY="${MM_GRPO_VENV:-$REPO/.venv}/bin/pytho
 export MM_GRPO_PYTHON="$PY"
 # Paths the user gave are relative to where the script was started: make them absolute
 # before leaving for the repository (configs resolve the rest against their own folder).
-for var in PIPELINE_DIR DATA_DIR PROMPT_FILE EVAL_PROMPT_FILE MODEL_JSON DATA_JSON LOAD SAVE RUN_DIR HPS_PATH OUT WORK; do
+for var in PIPELINE_DIR DATA_DIR PROMPT_FILE EVAL_PROMPT_FILE MODEL_JSON DATA_JSON LOAD SAVE RUN_DIR HPS_PATH OUT WORK REWARDS; do
   value="${!var:-}"
   if [ -n "$value" ] && [ "${value#/}" = "$value" ]; then printf -v "$var" '%s' "$PWD/$value"; fi
 done

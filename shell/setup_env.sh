@@ -16,11 +16,11 @@ case "${MM_GRPO_ENV:-default}" in
   default)
     venv="${MM_GRPO_VENV:-$repo/.venv}"
     pins="$repo/constraints.txt"
-    extras="test,megatron" ;;
+    extras="test,megatron,serve" ;;
   mindspeed-mm)
     venv="${MM_GRPO_VENV:-$repo/.venv-mindspeed-mm}"
     pins="$repo/constraints-mindspeed-mm.txt"
-    extras="test"
+    extras="test,serve"
     pyproject="${MINDSPEED_MM_TESTBED:-$repo/../shared/mindspeed_mm_testbed}/MindSpeed-MM/pyproject.toml"
     if [ ! -f "$pyproject" ]; then
       echo "[setup_env] $pyproject not found: set MINDSPEED_MM_TESTBED to a folder with MindSpeed-MM/" >&2

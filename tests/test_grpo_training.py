@@ -115,6 +115,25 @@ def test_objective_variants_resume_exactly(parallel_1proc, configs, tmp_path, va
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
+@pytest.mark.parametrize("extra", [[], ["--sampler", "flow_sde", "--init-same-noise", "--timestep-selection", "branch",
+                                         "--window-size", "2"]])
+def test_scoring_beside_the_rollout_trains_as_the_whole_batch_does(parallel_1proc, configs, extra):
+    """--reward-overlap-groups: the rollout in parts of one group, each scored in a second thread
+    while the next is rolled out, gives the run of the whole batch at once: bit for bit, except
+    that a shared ODE prefix runs one row per group of the part, a smaller micro-batch than the
+    whole batch's (rounding only)."""
+    whole, run_whole = run_grpo(grpo_argv(*configs, extra=extra))
+    parts, run_parts = run_grpo(grpo_argv(*configs, extra=[*extra, "--reward-overlap-groups", "1"]))
+    a, b = _weights(run_whole), _weights(run_parts)
+    if "--init-same-noise" in extra:
+        assert all(torch.allclose(a[n], b[n], rtol=1e-4, atol=1e-6) for n in a)
+        assert [h["reward/mean"] for h in parts] == pytest.approx([h["reward/mean"] for h in whole], rel=1e-5)
+        return
+    assert [h["reward/mean"] for h in parts] == [h["reward/mean"] for h in whole]
+    assert [h["loss"] for h in parts] == [h["loss"] for h in whole]
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
 def test_non_finite_reward_or_loss_skips_the_iteration(parallel_1proc, configs):
     _, run = run_grpo(grpo_argv(*configs, iters=0))
     s, reward = run.schedule, run.schedule.reward
@@ -311,7 +330,9 @@ def test_unknown_sampler_and_indivisible_batch(parallel_1proc, configs, capsys):
                            (["--timestep-selection", "window", "--window-size", "7"], r"--window-size must be in \[1, 6\]"),
                            (["--sampler", "cps", "--timestep-selection", "window", "--window-size", "6"],
                             r"--window-size must be in \[1, 5\]"),
-                           (["--log-interval", "0"], "--log-interval must be >= 1")):
+                           (["--log-interval", "0"], "--log-interval must be >= 1"),
+                           (["--reward-overlap-groups", "3"], "--reward-overlap-groups 3: its 12 samples must divide "
+                                                              "a data-parallel rank's 8")):
         with pytest.raises(ValueError, match=message):
             _error(grpo_argv(*configs, extra=extra))
 

@@ -15,6 +15,7 @@ timesteps, the awm loss's forward-process noise) is seeded by (seed, iteration, 
 index), so results do not depend on the parallel layout and a resumed run repeats exactly what
 an uninterrupted one does.
 """
+import concurrent.futures
 import dataclasses
 import math
 import time
@@ -32,8 +33,8 @@ from mm_grpo.grpo.timesteps import (SlidingWindow, branch_window, dance_grpo_tim
 from mm_grpo.encoders.latents import token_grid
 from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
 from mm_grpo.parallel.state import dp_mean, dp_reduce
-from mm_grpo.rollout import (CONSTANT_FREE_LOG_PROB, SAMPLERS, SharedPrefix, get_sampler, rollout, sde_steps,
-                             sigma_schedule)
+from mm_grpo.rollout import (CONSTANT_FREE_LOG_PROB, SAMPLERS, SharedPrefix, Trajectory, get_sampler, rollout,
+                             sde_steps, sigma_schedule)
 from mm_grpo.runtime.chunks import PER_SAMPLE_CONDITIONING, conditioning, make_velocity_fn
 from mm_grpo.seeding import DEFAULT_SEED, GRPOStream, seeded_generator
 from mm_grpo.settings import setting
@@ -162,6 +163,10 @@ class GRPOSettings:
     nft_beta: float = setting(1.0, "nft: beta, the mixing coefficient of the implicit positive / negative policies")
     updates_per_rollout: int = setting(1, "optimizer steps per rollout (update u trains the samples s with "
                                           "s mod U == u)")
+    reward_overlap_groups: int = setting(
+        0, "roll out this many groups at a time, each part decoded and scored in a second thread while the next "
+           "is rolled out: a remote reward's latency hides behind the rollout (0: the whole batch, then its "
+           "scores)")
     seed: int = DEFAULT_SEED
 
     def check(self, dp_size: int):
@@ -205,6 +210,11 @@ class GRPOSettings:
             raise ValueError("--step-reweight weighs PPO's per-step terms: it needs --policy-loss ppo")
         if not self.nft_beta > 0:
             raise ValueError(f"--nft-beta must be > 0, got {self.nft_beta}")
+        part = self.reward_overlap_groups * g
+        if self.reward_overlap_groups < 0 or (part and ((n // dp_size) % part or part % self.micro_batch_size)):
+            raise ValueError(f"--reward-overlap-groups {self.reward_overlap_groups}: its {part} samples must divide "
+                             f"a data-parallel rank's {n // dp_size} and be a multiple of --micro-batch-size "
+                             f"{self.micro_batch_size} (0: no overlap)")
         if self.sampler == "ode" and self.policy_loss == "ppo":
             raise ValueError("the ode sampler has no log-probabilities: choose an SDE sampler, or --policy-loss awm "
                              "or nft")
@@ -345,6 +355,29 @@ class GRPOSchedule:
 
         return SharedPrefix.of_groups(self.group_ids(samples), velocity_over)
 
+    def sample_and_score(self, iteration: int, prompts: List[str], samples: range, cond: dict, window=None):
+        """(trajectory, rewards, {name: values}, time the rollout ended). With --reward-overlap-groups
+        the rollout runs in parts of that many groups, each part decoded and scored in a second
+        thread while the next is rolled out; randomness is drawn per sample and the model runs the
+        same micro-batches, so the parts make the whole batch's rollout."""
+        part = self.s.reward_overlap_groups * self.s.num_generations
+        if not part or part >= len(samples):
+            traj = self.sample(iteration, prompts, samples, cond, window)
+            t1 = time.time()
+            return (traj, *self.score(traj.x0_hat, prompts)[1:], t1)
+        trajs, pending = [], []
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mm-grpo-reward") as scorer:
+            for start in range(0, len(samples), part):
+                rows = slice(start, start + part)
+                part_cond = {k: v[rows] if k in PER_SAMPLE_CONDITIONING and v is not None else v for k, v in cond.items()}
+                trajs.append(self.sample(iteration, prompts[rows], samples[rows], part_cond, window))
+                pending.append(scorer.submit(self.score, trajs[-1].x0_hat, prompts[rows]))
+            t1 = time.time()
+            scored = [p.result() for p in pending]
+        return (Trajectory.cat(trajs), torch.cat([s[1] for s in scored]),
+                {k: torch.cat([s[2][k] for s in scored]) for k in scored[0][2]}, t1)
+
+    @torch.no_grad()  # grad mode is per thread: the scoring thread's too
     def score(self, x0_hat, prompts):
         images = self.decoder(x0_hat, self.s.height, self.s.width)
         total, per_reward = self.reward(images, prompts)
@@ -391,9 +424,7 @@ class GRPOSchedule:
         local_prompts = [prompts[s // self.s.num_generations] for s in samples]
         cond = self.conditioning(local_prompts)
         window = self.sde_window(iteration)
-        traj = self.sample(iteration, local_prompts, samples, cond, window)
-        t1 = time.time()
-        _, rewards, per_reward = self.score(traj.x0_hat, local_prompts)
+        traj, rewards, per_reward, t1 = self.sample_and_score(iteration, local_prompts, samples, cond, window)
         stats = {f"reward/{k}": self._dp_mean(v.mean()) for k, v in per_reward.items()}
         stats.update({"reward/mean": self._dp_mean(rewards.mean()), "reward/std": self._dp_std(rewards)})
         if window is not None:  # MixGRPO's position or Flow-GRPO-Fast's branch point

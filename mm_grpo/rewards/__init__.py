@@ -2,7 +2,8 @@
 
 Importing the package registers every built-in reward.
 """
-from mm_grpo.rewards import aesthetic, clip, compositional, jpeg  # noqa: F401  (registration)
+from mm_grpo.rewards import (  # noqa: F401  (registration)
+    aesthetic, clip, compositional, flow_grpo_servers, jpeg, remote, vlm_judge)
 from mm_grpo.rewards.base import REWARDS, Reward, RewardConfig, build_reward, register_reward
 from mm_grpo.rewards.combined import CombinedReward
 from mm_grpo.rewards.preprocess import ClipPreprocess, pil_bicubic_resize

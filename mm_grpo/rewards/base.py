@@ -25,6 +25,11 @@ class RewardConfig:
     arch: open_clip architecture name (`hps`: ViT-H-14 by default; `clip_score`: required).
     clip_path: `aesthetic` only: transformers CLIP folder whose image features feed the head.
     dtype: "float32", "bfloat16" or "float16" for the reward model.
+    url: remote rewards only: the server's address (http://host:port).
+    timeout: remote rewards only: seconds one request may take.
+    retries: remote rewards only: further tries after a failed request (unreachable, timed out,
+        busy); when they fail too the batch scores NaN and the iteration is skipped.
+    model: `vlm_judge` only: the served model's name on the OpenAI-compatible endpoint.
     """
 
     name: str
@@ -33,6 +38,10 @@ class RewardConfig:
     arch: str | None = None
     clip_path: str | None = None
     dtype: str = "float32"
+    url: str | None = None
+    timeout: float = 60.0
+    retries: int = 2
+    model: str | None = None
 
     @classmethod
     def from_any(cls, cfg):

@@ -38,6 +38,12 @@ class Trajectory:
     is_sde: torch.Tensor
     x0_hat: torch.Tensor
 
+    @classmethod
+    def cat(cls, parts: "list[Trajectory]") -> "Trajectory":
+        """Rollouts of consecutive samples on one schedule as one batch, in order."""
+        return cls(parts[0].sigmas, torch.cat([p.latents for p in parts]), torch.cat([p.log_probs for p in parts]),
+                   parts[0].is_sde, torch.cat([p.x0_hat for p in parts]))
+
     def transition(self, steps: Union[int, torch.Tensor]) -> Transition:
         """The transition steps[b] -> steps[b]+1 of every sample b (an int: the same for all)."""
         batch, num_steps = self.log_probs.shape

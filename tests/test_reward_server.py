@@ -1,0 +1,230 @@
+"""mm-grpo's reward server and the `remote` reward: the same scores as in process, batching,
+bounded queue and body size, one-line refusals, and a server that is down or dies."""
+import base64
+import concurrent.futures
+import contextlib
+import json
+import math
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+from bench.bench_reward_server import shapes_batch
+from mm_grpo.rewards import CombinedReward, build_reward, wire
+from mm_grpo.rewards.remote import RemoteRefused
+from mm_grpo.tools.reward_server import BatchScorer, ServerSettings, create_app, free_socket, serve_app
+from tests.fixtures import parallel_1proc  # noqa: F401
+
+CONFIGS = [{"name": "compositional"}, {"name": "jpeg_compressibility", "weight": 0.5}]
+
+
+@contextlib.contextmanager
+def reward_server(configs, **settings):
+    """mm-grpo's reward server for `configs` on localhost, in a thread: (url, the reward it serves)."""
+    reward = CombinedReward.from_configs(configs)
+    with serve_app(create_app(reward, ServerSettings(rewards="-", **settings))) as url:
+        yield url, reward
+
+
+def _remote(url, **kw):
+    return build_reward({"name": "remote", "url": url, **kw})
+
+
+def test_remote_scores_equal_the_in_process_reward():
+    images, prompts = shapes_batch(12)
+    with reward_server(CONFIGS, max_batch=5) as (url, served):
+        remote = _remote(url)
+        assert remote.served == {"compositional": 1.0, "jpeg_compressibility": 0.5}
+        got = remote(images, prompts)
+        in_process, terms = CombinedReward.from_configs(CONFIGS)(images, prompts)
+    assert torch.equal(got, in_process)
+    assert len(set(terms["compositional"].tolist())) >= 3  # the scores spread
+
+
+def test_concurrent_requests_are_batched_and_each_gets_its_own_scores():
+    images, prompts = shapes_batch(16, seed=1)
+    expected, _ = CombinedReward.from_configs(CONFIGS)(images, prompts)
+    with reward_server(CONFIGS, max_batch=8, batch_wait_ms=200) as (url, _):
+        def ask(i):
+            rows = slice(2 * i, 2 * i + 2)
+            response = requests.post(url + wire.SCORE_PATH, json=wire.encode_request(images[rows], prompts[rows]))
+            return rows, wire.decode_scores(response.json(), 2)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            for rows, scores in pool.map(ask, range(8)):
+                assert torch.equal(scores, expected[rows])
+        assert requests.get(url + wire.HEALTH_PATH).json()["scored_images"] == 16
+
+
+class _Slow:
+    """A reward that blocks until released: fills the queue."""
+    def __init__(self):
+        self.release, self.weights = threading.Event(), {"slow": 1.0}
+
+    def __call__(self, images, prompts):
+        self.release.wait(30)
+        return torch.zeros(len(prompts)), {"slow": torch.zeros(len(prompts))}
+
+
+def test_a_full_queue_is_refused_and_the_scorer_thread_stops_with_the_server():
+    slow = _Slow()
+    scorer = BatchScorer(slow, max_batch=1, max_queue=2, batch_wait_s=0)
+    one = torch.zeros(1, 3, 8, 8)
+    first = scorer.submit(one, ["a"])  # taken by the scorer thread, which blocks
+    time.sleep(0.2)
+    scorer.submit(one, ["b"])
+    scorer.submit(one, ["c"])
+    with pytest.raises(Exception) as full:
+        scorer.submit(one, ["d"])
+    assert type(full.value).__name__ == "Full"
+    slow.release.set()
+    assert first.result(10)[0].tolist() == [0.0]
+    scorer.close()
+    assert not scorer._thread.is_alive()
+
+
+@pytest.mark.parametrize("body, status, message", [
+    (b"not json", 400, "the body is not JSON"),
+    (json.dumps({"images": []}).encode(), 400, 'keys "images" and "prompts"'),
+    (json.dumps({"images": ["eA=="], "prompts": ["a red circle"]}).encode(), 400, "image 0 does not decode"),
+    (json.dumps({"images": ["***"], "prompts": ["a red circle"]}).encode(), 400, "image 0 is not valid base64"),
+    (json.dumps({"images": [], "prompts": []}).encode(), 400, "at least one image"),
+    (b"x" * 3000, 413, "more than --max-request-mb"),
+])
+def test_malformed_or_oversized_requests_get_a_one_line_error(body, status, message):
+    with reward_server(CONFIGS, max_request_mb=2000 / 2 ** 20) as (url, _):
+        response = requests.post(url + wire.SCORE_PATH, data=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert message in error and "\n" not in error
+
+
+def test_a_prompt_the_reward_cannot_score_is_refused_and_stops_the_run_in_one_line():
+    images, _ = shapes_batch(2)
+    with reward_server(CONFIGS) as (url, _):
+        remote = _remote(url)
+        with pytest.raises(RemoteRefused, match=r"refused the request: HTTP 400 .*a photo of a cat") as e:
+            remote(images, ["a photo of a cat", "a red circle"])
+    assert "\n" not in str(e.value)
+
+
+def test_mixed_image_sizes_in_one_request_are_refused():
+    png = [base64.b64encode(wire.encode_image(torch.zeros(s, s, 3, dtype=torch.uint8).numpy())).decode() for s in (8, 16)]
+    with pytest.raises(wire.BadRequest, match="one size"):
+        wire.decode_request({"images": png, "prompts": ["a", "b"]})
+
+
+def test_an_unreachable_server_is_one_line_naming_the_url_before_any_rollout():
+    sock = free_socket()  # bound, never listening: connections are refused
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"reward 'remote': {url}/health failed 2 time") as e:
+        _remote(url, retries=1, timeout=2)
+    sock.close()
+    assert "\n" not in str(e.value) and time.monotonic() - start < 10
+    with pytest.raises(ValueError, match="needs `url`"):
+        build_reward({"name": "remote"})
+
+
+def test_a_server_that_dies_scores_nan_after_its_retries_without_hanging(capsys):
+    """The iteration is then skipped (non-finite rewards): tests/test_run_guard.py counts those."""
+    images, prompts = shapes_batch(4)
+    with reward_server(CONFIGS) as (url, _):
+        remote = _remote(url, retries=1, timeout=2)
+        assert torch.isfinite(remote(images, prompts)).all()
+    start = time.monotonic()
+    scores = remote(images, prompts)  # the server is gone
+    assert torch.isnan(scores).all() and time.monotonic() - start < 10
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mm-grpo: warning: reward 'remote'") and "scored NaN" in err[0]
+
+
+def test_a_server_that_hangs_is_cut_at_the_timeout():
+    from fastapi import FastAPI
+    app = FastAPI()
+    stop = threading.Event()
+
+    @app.get(wire.HEALTH_PATH)
+    def health():
+        return {"status": "ok", "rewards": {}}
+
+    @app.post(wire.SCORE_PATH)
+    def hang():
+        stop.wait(20)
+        return {}
+
+    images, prompts = shapes_batch(2)
+    with serve_app(app) as url:
+        remote = _remote(url, retries=0, timeout=0.5)
+        start = time.monotonic()
+        assert torch.isnan(remote(images, prompts)).all()
+        assert time.monotonic() - start < 5
+        stop.set()
+
+
+def test_non_finite_scores_travel_as_null():
+    body = wire.encode_response(torch.tensor([1.0, math.nan, math.inf]), {})
+    assert body["scores"] == [1.0, None, None]
+    assert wire.decode_scores(json.loads(json.dumps(body)), 3)[1:].isnan().all()
+    with pytest.raises(ValueError, match="no list of 2 scores"):
+        wire.decode_scores(body, 2)
+
+
+def test_the_shipped_launch_script_serves_the_shapes_rewards(tmp_path):
+    """examples/rewards/reward_server.sh as shipped (the port and the Python through its variables)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PORT=str(port), HOST="127.0.0.1", MM_GRPO_DEVICE="cpu", MM_GRPO_PYTHON=sys.executable)
+    proc = subprocess.Popen(["bash", "examples/rewards/reward_server.sh"], cwd=repo, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+        while True:
+            try:
+                served = requests.get(url + wire.HEALTH_PATH, timeout=1).json()["rewards"]
+                break
+            except requests.ConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+                time.sleep(0.2)
+        assert served == {"compositional_accuracy": 1.0, "compositional": 0.0}
+        images, prompts = shapes_batch(6)
+        expected, _ = CombinedReward.from_configs([{"name": "compositional_accuracy"}])(images, prompts)
+        assert torch.equal(_remote(url)(images, prompts), expected)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode in (0, -signal.SIGTERM), err  # uvicorn shuts down, then re-raises the signal
+    assert "Traceback" not in err and f"serving {served} on http://127.0.0.1:{port}" in err
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "--rewards"), ("unknown", "unknown reward 'nope'"), ("no list", "expected a non-empty list"),
+    ("port", "--port must be >= 1, got 0")])
+def test_server_bad_input_is_one_line_before_anything_listens(tmp_path, capsys, case, message):
+    from mm_grpo.tools.reward_server import main
+    path = tmp_path / "rewards.json"
+    if case != "missing":
+        path.write_text(json.dumps({"unknown": [{"name": "nope"}], "no list": {"reward": []}}.get(case, CONFIGS)))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--rewards", str(path), "--port", "0" if case == "port" else "1"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_the_benchmarks_run_at_a_small_size(parallel_1proc, capsys):
+    """bench/bench_reward_server.py (a server process, concurrent clients) and
+    bench/bench_reward_overlap.py (overlapped scoring in the GRPO schedule) as shipped, small."""
+    from bench import bench_reward_overlap, bench_reward_server
+    bench_reward_server.main(["--clients", "2", "--requests", "2", "--images", "2"])
+    out = capsys.readouterr().out
+    assert "responses: 4 of 4, 0 with other scores than in process; server scored 8 images of 8 sent" in out
+    bench_reward_overlap.main(["--iters", "1", "--delay-ms-per-image", "1"])
+    assert "overlapped / reference = " in capsys.readouterr().out
