@@ -228,3 +228,43 @@ def test_the_benchmarks_run_at_a_small_size(parallel_1proc, capsys):
     assert "responses: 4 of 4, 0 with other scores than in process; server scored 8 images of 8 sent" in out
     bench_reward_overlap.main(["--iters", "1", "--delay-ms-per-image", "1"])
     assert "overlapped / reference = " in capsys.readouterr().out
+
+
+class _HangsAfter:
+    """jpeg_compressibility that stops answering in time after `answered` batches."""
+    def __init__(self, answered):
+        self.reward = CombinedReward.from_configs([{"name": "jpeg_compressibility"}])
+        self.weights, self.answered, self.release = self.reward.weights, answered, threading.Event()
+
+    def check_prompts(self, prompts):
+        pass
+
+    def __call__(self, images, prompts):
+        if self.answered == 0:
+            self.release.wait(30)
+        self.answered -= 1
+        return self.reward(images, prompts)
+
+
+def test_a_server_that_stops_answering_mid_run_skips_then_stops_the_run_in_one_line(
+        parallel_1proc, tiny_pipeline_dir, tmp_path, capsys):
+    """Through mm-grpo's trainer: the first iteration is scored and saved, the next one's scores
+    time out (no retry): NaN, a skipped iteration, and --max-skipped-iterations 1 stops the run
+    with nothing saved after the last completed iteration."""
+    from mm_grpo.training.run_guard import TrainingStopped
+    from tests.grpo_helpers import grpo_argv, run_grpo, write_configs
+    served = _HangsAfter(answered=1)
+    with serve_app(create_app(served, ServerSettings(rewards="-"))) as url:
+        configs = write_configs(tmp_path / "cfg", tiny_pipeline_dir,
+                                reward=[{"name": "remote", "url": url, "timeout": 1, "retries": 0}])
+        start = time.monotonic()
+        with pytest.raises(TrainingStopped) as stopped:
+            run_grpo(grpo_argv(*configs, iters=3, extra=["--max-skipped-iterations", "1", "--save",
+                                                          str(tmp_path / "ckpt"), "--save-interval", "1"]))
+        served.release.set()
+    message = str(stopped.value)
+    assert "\n" not in message and message.startswith("1 iterations in a row skipped (up to iteration 2: ")
+    assert "nothing saved since the last completed iteration" in message and time.monotonic() - start < 120
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "1"
+    warning = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mm-grpo: warning: reward")]
+    assert len(warning) == 1 and f"{url}/score failed 1 time(s), timeout 1 s" in warning[0]
