@@ -30,6 +30,7 @@ class RewardConfig:
     retries: remote rewards only: further tries after a failed request (unreachable, timed out,
         busy); when they fail too the batch scores NaN and the iteration is skipped.
     model: `vlm_judge` only: the served model's name on the OpenAI-compatible endpoint.
+    backbone: `hpsv3` only: the Qwen2-VL folder (config, tokenizer, processor) HPSv3 was trained from.
     """
 
     name: str
@@ -42,6 +43,7 @@ class RewardConfig:
     timeout: float = 60.0
     retries: int = 2
     model: str | None = None
+    backbone: str | None = None
 
     @classmethod
     def from_any(cls, cfg):
