@@ -32,7 +32,7 @@ def test_registry_names():
 @pytest.mark.parametrize(
     "cfg,error,match",
     [
-        ({"name": "hpsv3"}, ValueError, "unknown reward 'hpsv3'; known: aesthetic, clip_score"),
+        ({"name": "imagereward"}, ValueError, "unknown reward 'imagereward'; known: aesthetic, clip_score"),
         ({"name": "hps", "pth": "x"}, ValueError, r"unknown reward config key\(s\) \['pth'\]"),
         ({"path": "x"}, ValueError, "needs a 'name'"),
         ({"name": "hps"}, ValueError, "reward 'hps' needs `path`"),
