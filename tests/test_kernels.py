@@ -381,6 +381,9 @@ def test_gelu_tanh_is_torch_gelu_in_both_forms(monkeypatch, compiling):
 
 
 def test_compiled_gelu_tanh_traces_the_sigmoid_form():
+    from mm_grpo.platform.adaptor import torch_compile_replaced
+    if replaced_by := torch_compile_replaced():  # MindSpeed's adaptor: --compile-blocks is refused there
+        pytest.skip(f"torch.compile is {replaced_by}'s function that compiles nothing: no graph to trace")
     ops = []
 
     def backend(gm, example_inputs):
