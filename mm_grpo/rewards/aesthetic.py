@@ -8,8 +8,8 @@ activations) or a single linear layer (`weight`, `bias`, the v1 linear predictor
 import torch
 from torch import nn
 
-from mm_grpo.rewards.base import Reward, register_reward
-from mm_grpo.rewards.clip import _one_line, load_hf_clip
+from mm_grpo.rewards.base import Reward, one_line, register_reward
+from mm_grpo.rewards.clip import load_hf_clip
 
 
 def _load_state_dict(path):
@@ -64,7 +64,7 @@ class Aesthetic(Reward):
         try:
             head = build_head(_load_state_dict(path), self.model.config.projection_dim)
         except Exception as e:
-            msg = f"reward {cfg.name!r}: {path} is not an aesthetic head for this CLIP: {_one_line(e)}"
+            msg = f"reward {cfg.name!r}: {path} is not an aesthetic head for this CLIP: {one_line(e)}"
             raise ValueError(msg) from None
         self.head = head.to(self.device, cfg.torch_dtype).eval().requires_grad_(False)
 

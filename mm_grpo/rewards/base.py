@@ -111,6 +111,18 @@ class Reward:
         return values.to(images.device)
 
 
+def one_line(error) -> str:
+    """The first line of an error's message (at most 200 characters), or its type's name."""
+    text = str(error).strip().splitlines()
+    return text[0][:200] if text else type(error).__name__
+
+
+def uint8_pixels(images):
+    """images [B, 3, H, W] in [0, 1] -> [B, H, W, 3] uint8 on the host: round(255 x), the
+    quantisation every reference reward (and PIL) applies."""
+    return (images.detach().float() * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+
+
 def _check_inputs(images, prompts):
     if not (torch.is_tensor(images) and images.ndim == 4 and images.shape[1] == 3 and images.is_floating_point()):
         shape = tuple(images.shape) if torch.is_tensor(images) else type(images).__name__

@@ -6,13 +6,8 @@ score is exactly that (values about 0.2-0.4); PickScore's reference multiplies b
 exp(logit_scale) (about 100), a constant that the reward `weight` can carry. Images are
 preprocessed on the device by `ClipPreprocess`, bit-exact with the PIL reference path.
 """
-from mm_grpo.rewards.base import Reward, register_reward
+from mm_grpo.rewards.base import Reward, one_line, register_reward
 from mm_grpo.rewards.preprocess import ClipPreprocess
-
-
-def _one_line(error):
-    text = str(error).strip().splitlines()
-    return text[0][:200] if text else type(error).__name__
 
 
 @register_reward("clip_score")
@@ -34,7 +29,7 @@ class OpenCLIPScore(Reward):
         try:  # open_clip's own loader (strict): HPS's {'state_dict': ...} and 'module.' prefixes included
             model = open_clip.create_model(arch, pretrained=str(path))
         except Exception as e:
-            msg = f"reward {cfg.name!r}: {path} is not an open_clip {arch} checkpoint: {_one_line(e)}"
+            msg = f"reward {cfg.name!r}: {path} is not an open_clip {arch} checkpoint: {one_line(e)}"
             raise ValueError(msg) from None
         self.model = model.to(self.device, cfg.torch_dtype).eval().requires_grad_(False)
         self.tokenizer = open_clip.get_tokenizer(arch)
@@ -74,7 +69,7 @@ def load_hf_clip(cfg, field, device):
         model = CLIPModel.from_pretrained(path, dtype=cfg.torch_dtype)
         processor = AutoProcessor.from_pretrained(path)
     except Exception as e:
-        raise ValueError(f"reward {cfg.name!r}: {path} is not a transformers CLIP folder: {_one_line(e)}") from None
+        raise ValueError(f"reward {cfg.name!r}: {path} is not a transformers CLIP folder: {one_line(e)}") from None
     ip = processor.image_processor
     size, crop = ip.size, ip.crop_size
     if not (ip.do_resize and ip.do_center_crop and size.get("shortest_edge") and int(ip.resample) == 3):

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from mm_grpo.rewards import wire
-from mm_grpo.rewards.base import register_reward
+from mm_grpo.rewards.base import register_reward, uint8_pixels
 from mm_grpo.rewards.remote import Endpoint, RemoteRefused, RemoteScored
 
 BATCH = 64  # images per request, as flow_grpo sends them
@@ -54,7 +54,7 @@ class FlowGRPOServer(RemoteScored):
         return {"images": jpegs}
 
     def request(self, images, prompts):
-        pixels, scores = wire.to_uint8(images), []
+        pixels, scores = uint8_pixels(images), []
         for start in range(0, len(prompts), BATCH):
             rows = slice(start, start + BATCH)
             jpegs = [wire.encode_image(p, "jpeg", JPEG_QUALITY) for p in pixels[rows]]

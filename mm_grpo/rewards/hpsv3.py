@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from mm_grpo.rewards.base import Reward, register_reward
+from mm_grpo.rewards.base import Reward, one_line, register_reward, uint8_pixels
 
 REWARD_TOKEN = "<|Reward|>"
 PATCH_FACTOR = 28  # Qwen2-VL: 14-pixel patches merged 2 x 2
@@ -105,8 +105,7 @@ class HPSv3(Reward):
             config = AutoConfig.from_pretrained(folder)
             self.processor = AutoProcessor.from_pretrained(folder, padding_side="right")
         except (OSError, ValueError) as e:
-            raise ValueError(f"reward 'hpsv3': backbone {folder} is not a Qwen2-VL folder: "
-                             f"{str(e).strip().splitlines()[0]}") from None
+            raise ValueError(f"reward 'hpsv3': backbone {folder} is not a Qwen2-VL folder: {one_line(e)}") from None
         if not isinstance(config, Qwen2VLConfig):
             raise ValueError(f"reward 'hpsv3': backbone {folder} holds a {type(config).__name__}, not a Qwen2VLConfig")
         self.processor.tokenizer.add_special_tokens({"additional_special_tokens": [REWARD_TOKEN]})
@@ -129,7 +128,7 @@ class HPSv3(Reward):
         self.head.to(device=self.device, dtype=torch.float32).eval()
 
     def score(self, images, prompts):
-        pixels = (images.float() * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        pixels = uint8_pixels(images)
         height, width = resized_side(*pixels.shape[1:3])
         pil = [Image.fromarray(np.ascontiguousarray(p)).resize((width, height), Image.BICUBIC) for p in pixels]
         text = self.processor.apply_chat_template([messages(p, i) for p, i in zip(prompts, pil)], tokenize=False,

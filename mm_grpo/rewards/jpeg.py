@@ -6,16 +6,15 @@ import io
 
 import torch
 
-from mm_grpo.rewards.base import Reward, register_reward
+from mm_grpo.rewards.base import Reward, register_reward, uint8_pixels
 
 
 def jpeg_size_kb(images, quality=95):
     """Per-image JPEG size in kB (1000 bytes) of the uint8 rendering of images [B, 3, H, W] in [0, 1]."""
     from PIL import Image
 
-    pixels = (images.float() * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     sizes = []
-    for array in pixels:
+    for array in uint8_pixels(images):
         buffer = io.BytesIO()
         Image.fromarray(array).save(buffer, format="JPEG", quality=quality)
         sizes.append(buffer.tell() / 1000)

@@ -19,8 +19,7 @@ Also unlike flow_grpo, a recogniser failure raises instead of scoring 0.
 """
 import torch
 
-from mm_grpo.rewards.base import Reward, register_reward
-from mm_grpo.rewards.clip import _one_line
+from mm_grpo.rewards.base import Reward, one_line, register_reward
 
 QUOTE = '"'
 # Tokens the recogniser may emit per image: TrOCR's BPE averages a few characters per
@@ -92,14 +91,14 @@ class OcrReward(Reward):
         try:  # the config alone first: a wrong folder fails before any weights are read
             model_type = AutoConfig.from_pretrained(path).model_type
         except Exception as e:
-            raise ValueError(f"{not_ocr}: {_one_line(e)}") from None
+            raise ValueError(f"{not_ocr}: {one_line(e)}") from None
         if model_type != MODEL_TYPE:
             raise ValueError(f"{not_ocr}: its model_type is {model_type!r}")
         try:
             processor = _load_processor(path)
             model = VisionEncoderDecoderModel.from_pretrained(path, dtype=cfg.torch_dtype)
         except Exception as e:
-            raise ValueError(f"{not_ocr}: {_one_line(e)}") from None
+            raise ValueError(f"{not_ocr}: {one_line(e)}") from None
         image_processor = getattr(processor, "image_processor", None)
         if not isinstance(image_processor, BaseImageProcessorFast) or not hasattr(processor, "batch_decode"):
             raise ValueError(f"{not_ocr}: its processor needs a torch image processor and a tokenizer, "

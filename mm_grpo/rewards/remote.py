@@ -15,7 +15,7 @@ import requests
 import torch
 
 from mm_grpo.rewards import wire
-from mm_grpo.rewards.base import Reward, register_reward
+from mm_grpo.rewards.base import Reward, one_line, register_reward
 
 RETRY_STATUS = (502, 503, 504)
 BACKOFF_S = 0.5  # first wait between tries, doubled after each
@@ -50,7 +50,7 @@ class Endpoint:
             try:
                 response = self.session.request(method, url, timeout=self.timeout, **kwargs)
             except (requests.ConnectionError, requests.Timeout) as e:
-                last = f"{type(e).__name__}: {_first_line(e)}"
+                last = f"{type(e).__name__}: {one_line(e)}"
                 continue
             if response.status_code in RETRY_STATUS:
                 last = f"HTTP {response.status_code} {_error_text(response)}"
@@ -77,11 +77,6 @@ class Endpoint:
 
     def close(self):
         self.session.close()
-
-
-def _first_line(error) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:200] if text else type(error).__name__
 
 
 def _error_text(response) -> str:

@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 from mm_grpo.rewards import wire
-from mm_grpo.rewards.base import register_reward
+from mm_grpo.rewards.base import register_reward, uint8_pixels
 from mm_grpo.rewards.remote import Endpoint, RemoteRefused, RemoteScored
 
 CHAT_PATH = "/chat/completions"
@@ -75,7 +75,7 @@ class VLMJudge(RemoteScored):
                                 f"completion: {reply.text[:120]}") from None
 
     def request(self, images, prompts):
-        pixels = wire.to_uint8(images)
+        pixels = uint8_pixels(images)
         with concurrent.futures.ThreadPoolExecutor(min(MAX_CONCURRENT, len(prompts))) as pool:
             scores = list(pool.map(self.ask, pixels, prompts))
         unparsed = sum(s is None for s in scores)

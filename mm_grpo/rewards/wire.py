@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from mm_grpo.rewards.base import uint8_pixels
+
 SCORE_PATH = "/score"
 HEALTH_PATH = "/health"
 FORMATS = ("png", "jpeg")
@@ -26,11 +28,6 @@ MAX_PIXELS = 4096 * 4096  # per image: a decompression bomb is refused before it
 
 class BadRequest(ValueError):
     """A request the server refuses (HTTP 400), with the reason as its one-line message."""
-
-
-def to_uint8(images: torch.Tensor) -> np.ndarray:
-    """[B, 3, H, W] float in [0, 1] -> [B, H, W, 3] uint8, as the rewards' own PIL conversion."""
-    return (images.detach().float() * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
 
 
 def encode_image(pixels: np.ndarray, fmt: str = "png", quality: int = 95) -> bytes:
@@ -58,7 +55,7 @@ def decode_image(data: bytes, index: int) -> np.ndarray:
 
 def encode_request(images: torch.Tensor, prompts: Sequence[str], fmt: str = "png") -> dict:
     return {"prompts": list(prompts),
-            "images": [base64.b64encode(encode_image(p, fmt)).decode("ascii") for p in to_uint8(images)]}
+            "images": [base64.b64encode(encode_image(p, fmt)).decode("ascii") for p in uint8_pixels(images)]}
 
 
 def decode_request(body: object) -> Tuple[torch.Tensor, List[str]]:

@@ -26,6 +26,7 @@ from typing import List, Optional
 import torch
 
 from mm_grpo.files.jsonfile import load_json
+from mm_grpo.rewards.base import one_line
 from mm_grpo.rewards.combined import CombinedReward
 from mm_grpo.rewards.wire import HEALTH_PATH, SCORE_PATH, BadRequest, decode_request, encode_response
 from mm_grpo.settings import add_setting_args, check_minimums, from_args, setting
@@ -169,7 +170,7 @@ def create_app(reward: CombinedReward, settings: ServerSettings):
         try:
             total, terms = await asyncio.wrap_future(result)
         except Exception as e:
-            return error(500, f"the reward failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            return error(500, f"the reward failed: {type(e).__name__}: {one_line(e)}")
         return encode_response(total, terms)
 
     return app
@@ -184,7 +185,7 @@ def _parse(body: bytes, reward: CombinedReward):
     try:
         reward.check_prompts(prompts)
     except ValueError as e:
-        raise BadRequest(str(e).splitlines()[0]) from None
+        raise BadRequest(one_line(e)) from None
     return images, prompts
 
 
