@@ -6,11 +6,11 @@
 
 `add_setting_args(group, S)` adds the flags of every `setting` field (name, type, default,
 help and choices come from the field; a bool is a store_true flag, or --flag / --no-flag when it
-defaults to True; a tuple takes one or more
-values, or one value split at `sep`); `check_minimums(args, S)` refuses a value below a field's `minimum` in one line;
-`from_args(S, args)` builds the dataclass from the parsed namespace, field by name. Fields made
-without `setting` have no flag of their own (they come from another group of flags, or from the
-caller).
+defaults to True; a tuple takes one or more values, or one value split at `sep`).
+`check_minimums(args, S)` refuses a value below a field's `minimum` in one line; `from_args(S,
+args)` builds the dataclass from the parsed namespace, field by name, and checks it the same way.
+Fields made without `setting` have no flag of their own (they come from another group of flags,
+or from the caller).
 """
 import argparse
 import dataclasses
@@ -65,9 +65,10 @@ def _splitter(kind, sep):
     return split
 
 
-def check_minimums(args: argparse.Namespace, *classes) -> None:
+def check_minimums(args, *classes) -> None:
     """One line for the first flag of `classes` below its field's `minimum` (a count that would
-    otherwise divide by zero or loop for ever deep inside a run)."""
+    otherwise divide by zero or loop for ever deep inside a run); `args`: the parsed namespace, or
+    an instance of the class."""
     for cls in classes:
         for f in dataclasses.fields(cls):
             minimum, value = f.metadata.get("minimum"), getattr(args, f.name, None)
@@ -80,4 +81,6 @@ def from_args(cls, args: argparse.Namespace, **overrides):
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
     several = {f.name for f in dataclasses.fields(cls) if f.name in values and _value_type(f.type)[1]}
     values.update({name: tuple(values[name]) for name in several})  # argparse gives a list
-    return cls(**{**values, **overrides})
+    built = cls(**{**values, **overrides})
+    check_minimums(built, cls)
+    return built

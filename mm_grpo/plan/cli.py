@@ -15,7 +15,7 @@ from mm_grpo.encoders.latents import token_grid
 from mm_grpo.plan import frozen_parts
 from mm_grpo.plan import devices as devices_mod
 from mm_grpo.plan import formulas as f
-from mm_grpo.settings import add_setting_args, check_minimums, from_args
+from mm_grpo.settings import add_setting_args, from_args
 
 GB = 10 ** 9
 
@@ -45,7 +45,6 @@ def build_parser():
 
 
 def job_of(args) -> f.Job:
-    check_minimums(args, f.Job)
     if args.devices < 1:
         raise ValueError(f"--devices must be >= 1, got {args.devices}")
     if not 0 < args.timestep_fraction <= 1:

@@ -11,7 +11,7 @@ import time
 
 from mm_grpo.data import read_prompts
 from mm_grpo.encoders.text import TextEncoders, save_text_embeddings
-from mm_grpo.settings import add_setting_args, check_minimums, from_args
+from mm_grpo.settings import add_setting_args, from_args
 from mm_grpo.tools.encoding import EncoderSettings
 
 
@@ -24,7 +24,6 @@ def main(argv=None):
     args = p.parse_args(argv)
     start = time.time()
     try:
-        check_minimums(args, EncoderSettings)
         enc = from_args(EncoderSettings, args)
         prompts = read_prompts(args.prompts)
         encoders = TextEncoders(enc.pipeline, device=enc.device, dtype=enc.torch_dtype,
@@ -33,6 +32,7 @@ def main(argv=None):
     except (ValueError, OSError) as e:  # bad input, missing paths, full disk
         p.exit(2, f"{p.prog}: error: {e}\n")
     print(f"{len(set(prompts))} prompts -> {path} in {time.time() - start:.1f}s")
+
 
 if __name__ == "__main__":
     main()

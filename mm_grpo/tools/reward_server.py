@@ -29,7 +29,7 @@ from mm_grpo.files.jsonfile import load_json
 from mm_grpo.rewards.base import one_line
 from mm_grpo.rewards.combined import CombinedReward
 from mm_grpo.rewards.wire import HEALTH_PATH, SCORE_PATH, BadRequest, decode_request, encode_response
-from mm_grpo.settings import add_setting_args, check_minimums, from_args, setting
+from mm_grpo.settings import add_setting_args, from_args, setting
 from mm_grpo.training.components import resolve_paths
 
 PROG = "python -m mm_grpo.tools.reward_server"
@@ -225,7 +225,6 @@ def main(argv=None):
     add_setting_args(parser, ServerSettings)
     args = parser.parse_args(argv)
     try:
-        check_minimums(args, ServerSettings)
         settings = from_args(ServerSettings, args)
         if settings.max_request_mb <= 0 or settings.batch_wait_ms < 0:
             raise ValueError("need --max-request-mb > 0 and --batch-wait-ms >= 0")

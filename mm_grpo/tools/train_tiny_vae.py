@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from mm_grpo.data.image_captions import ImageCaptionDataset
 from mm_grpo.files.atomic import atomic_dir
-from mm_grpo.settings import add_setting_args, check_minimums, from_args, setting
+from mm_grpo.settings import add_setting_args, from_args, setting
 from mm_grpo.tools.tiny import VAE_CONFIG
 
 
@@ -126,13 +126,13 @@ def main(argv=None):
     parser.add_argument("--held-out", type=int, default=256, help="last N images: not trained on, reported")
     args = parser.parse_args(argv)
     try:
-        check_minimums(args, VaeTraining)
+        training = from_args(VaeTraining, args)
         dataset = ImageCaptionDataset(args.data)
         n = len(dataset) - args.held_out
         if n < 1:
             raise ValueError(f"{args.data} has {len(dataset)} images: too few for --held-out {args.held_out}")
         start = time.time()
-        vae = train_vae(dataset.images(range(n)), from_args(VaeTraining, args))
+        vae = train_vae(dataset.images(range(n)), training)
         save_vae(vae, args.out)
         report = f"vae: {sum(p.numel() for p in vae.parameters()):,} parameters"
         if args.held_out:

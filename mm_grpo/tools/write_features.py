@@ -32,7 +32,7 @@ from mm_grpo.encoders.latents import latent_size
 from mm_grpo.encoders.text import MAX_SEQUENCE_LENGTH, TextEncoders
 from mm_grpo.encoders.vae import encode_latents, load_vae
 from mm_grpo.files.atomic import atomic_dir
-from mm_grpo.settings import add_setting_args, check_minimums, from_args
+from mm_grpo.settings import add_setting_args, from_args
 from mm_grpo.tools.encoding import EncoderSettings
 
 PROG = "mm_grpo.tools.write_features"
@@ -126,7 +126,6 @@ def main(argv=None):
     args = p.parse_args(argv)
     start = time.time()
     try:
-        check_minimums(args, EncoderSettings)
         enc = from_args(EncoderSettings, args)
         n, (height, width) = write_features(
             enc.pipeline, args.data, args.out, args.resolution, enc.max_sequence_length, args.image_column,

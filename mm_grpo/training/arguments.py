@@ -158,11 +158,16 @@ def lora_config(args) -> Optional[lora.LoRAConfig]:
     return lora.LoRAConfig(targets=tuple(args.lora_target_modules), **given)
 
 
+def _groups(own_groups) -> dict:
+    """Title -> settings classes of every argument group: Megatron's, then the trainer's own."""
+    return {**MEGATRON_GROUPS, **own_groups}
+
+
 def build_parser(own_groups=GRPO_GROUP):
     """The Megatron-style arguments and the trainer's own groups (title -> settings classes)."""
     p = argparse.ArgumentParser(description="mm-grpo training (Megatron-style arguments)",
                                 allow_abbrev=False)
-    for title, classes in {**MEGATRON_GROUPS, **own_groups}.items():
+    for title, classes in _groups(own_groups).items():
         group = p.add_argument_group(title)
         for cls in classes:
             add_setting_args(group, cls)
@@ -171,7 +176,7 @@ def build_parser(own_groups=GRPO_GROUP):
 
 def parse_args(argv=None, own_groups=GRPO_GROUP):
     args = build_parser(own_groups).parse_args(argv)
-    check_minimums(args, *(cls for classes in {**MEGATRON_GROUPS, **own_groups}.values() for cls in classes))
+    check_minimums(args, *(cls for classes in _groups(own_groups).values() for cls in classes))
     _check_lora_args(args)
     args.mm_model_config = load_json(args.mm_model, "--mm-model")
     args.mm_data_config = load_json(args.mm_data, "--mm-data")
