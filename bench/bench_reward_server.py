@@ -11,6 +11,7 @@ the same images scored in process, one request's batch at a time. docs/rewards.m
 """
 import argparse
 import concurrent.futures
+import json
 import os
 import signal
 import subprocess
@@ -74,7 +75,6 @@ def main(argv=None):
     args = p.parse_args(argv)
     total_requests = args.clients * args.requests
     images, prompts = shapes_batch(total_requests * args.images)
-    import json
     with open(REWARDS) as f:
         in_process = CombinedReward.from_configs(json.load(f))
 

@@ -19,7 +19,7 @@ import torch
 
 from mm_grpo.rewards import wire
 from mm_grpo.rewards.base import register_reward, uint8_pixels
-from mm_grpo.rewards.remote import Endpoint, RemoteRefused, RemoteScored
+from mm_grpo.rewards.remote import RemoteRefused, RemoteScored
 
 BATCH = 64  # images per request, as flow_grpo sends them
 JPEG_QUALITY = 75  # PIL's default, what flow_grpo sends
@@ -46,8 +46,7 @@ class FlowGRPOServer(RemoteScored):
     reply_key = None
 
     def __init__(self, cfg, device="cpu"):
-        super().__init__(cfg, "cpu")
-        self.endpoint = Endpoint(self.name, cfg.url, cfg.timeout, cfg.retries)
+        super().__init__(cfg, device)
         self.endpoint.check_reachable()  # its servers answer a GET with 405: reachable is enough
 
     def payload(self, jpegs, prompts) -> dict:

@@ -75,9 +75,6 @@ class Endpoint:
         except RemoteUnavailable as e:
             raise ConnectionError(f"{e} (start the server first, or fix `url` in model.json's reward block)") from None
 
-    def close(self):
-        self.session.close()
-
 
 def _error_text(response) -> str:
     try:
@@ -87,7 +84,12 @@ def _error_text(response) -> str:
 
 
 class RemoteScored(Reward):
-    """A reward whose `request(images, prompts)` asks a server: an unavailable server scores NaN."""
+    """A reward whose `request(images, prompts)` asks the server at `cfg.url` (its `endpoint`): an
+    unavailable server scores NaN. The images are encoded on the host."""
+
+    def __init__(self, cfg, device="cpu"):
+        super().__init__(cfg, "cpu")
+        self.endpoint = Endpoint(self.name, cfg.url, cfg.timeout, cfg.retries)
 
     def score(self, images, prompts):
         try:
@@ -106,8 +108,7 @@ class RemoteReward(RemoteScored):
     """mm-grpo's reward server (`python -m mm_grpo.tools.reward_server`): its weighted total."""
 
     def __init__(self, cfg, device="cpu"):
-        super().__init__(cfg, "cpu")  # the images are encoded on the host
-        self.endpoint = Endpoint(self.name, cfg.url, cfg.timeout, cfg.retries)
+        super().__init__(cfg, device)
         health = self.endpoint.check_reachable(wire.HEALTH_PATH)
         try:
             self.served = health.json()["rewards"]

@@ -20,7 +20,7 @@ from PIL import Image
 
 from mm_grpo.rewards import wire
 from mm_grpo.rewards.base import register_reward, uint8_pixels
-from mm_grpo.rewards.remote import Endpoint, RemoteRefused, RemoteScored
+from mm_grpo.rewards.remote import RemoteRefused, RemoteScored
 
 CHAT_PATH = "/chat/completions"
 MODELS_PATH = "/models"
@@ -47,7 +47,7 @@ def parse_score(text: str):
 @register_reward("vlm_judge")
 class VLMJudge(RemoteScored):
     def __init__(self, cfg, device="cpu"):
-        super().__init__(cfg, "cpu")
+        super().__init__(cfg, device)
         if not cfg.model:
             raise ValueError(f"reward {self.name!r} needs `model`: the served model's name (vLLM --served-model-name)")
         self.question = UNIFIED_REWARD_QUESTION
@@ -55,7 +55,6 @@ class VLMJudge(RemoteScored):
             self.question = cfg.require_path("path", "file").read_text(encoding="utf-8")
             if "{prompt}" not in self.question:
                 raise ValueError(f"reward {self.name!r}: the question in {cfg.path} has no {{prompt}}")
-        self.endpoint = Endpoint(self.name, cfg.url, cfg.timeout, cfg.retries)
         self.endpoint.check_reachable(MODELS_PATH)
         self.headers = {"Authorization": f"Bearer {os.environ.get('OPENAI_API_KEY', 'EMPTY')}"}
 
