@@ -91,7 +91,7 @@ class DanceGRPOReference:
         s, sync = self.s, get_platform().synchronize
         samples = range(s.global_batch_size)
         t_rollout = t_reward = 0.0
-        x0, noise = draw_noise(s, iteration, samples, self.grid[0] * self.grid[1], self.transformer.config.in_channels)
+        x0, noise = draw_noise(s, iteration, samples, (self.grid[0] * self.grid[1], self.transformer.config.in_channels))
         latents, log_probs, rewards, conds = [], [], [], []
         for i in samples:  # DanceGRPO samples one generation at a time
             t0 = time.perf_counter()

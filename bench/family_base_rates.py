@@ -61,8 +61,8 @@ def main(argv=None):
     rows = collections.defaultdict(lambda: collections.defaultdict(list))  # family -> source -> per-prompt rates
     atoms = collections.defaultdict(list)
     for source, prompts in sources.items():
-        ev = Evaluator(prompts, s.conditioner, s.decoder, s.reward, s.sigmas, s.s.height, s.s.width,
-                       run.flux_config.in_channels, s.s.guidance_scale, a.noises, seed=0, device=s.device)
+        ev = Evaluator(prompts, s.conditioner, s.decoder, s.reward, s.sigmas, s.denoiser, s.s.height, s.s.width,
+                       a.noises, seed=0, device=s.device)
         result = ev(run.model.modules)
         scores = score(result.images, result.prompts)
         acc = scores.accuracy.view(len(prompts), a.noises)

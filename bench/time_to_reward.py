@@ -88,8 +88,7 @@ def evaluate(schedule, samples_per_prompt=2):
     cond = schedule.conditioning(prompts)
     # the same evaluation noise for every run, a different one for every sample (not per group)
     fixed = dataclasses.replace(schedule.s, seed=0, init_same_noise=False)
-    x0, _ = draw_noise(fixed, 0, range(len(prompts)), schedule.grid[0] * schedule.grid[1],
-                       schedule.policy[0].flux_config.in_channels)
+    x0, _ = draw_noise(fixed, 0, range(len(prompts)), schedule.denoiser.latent_shape)
     x0 = x0.to(schedule.device)
     traj = rollout(make_velocity_fn(schedule.policy, cond, len(prompts)), x0, schedule.sigmas, "ode")
     _, total, _ = schedule.score(traj.x0_hat, prompts)

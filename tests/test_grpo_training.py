@@ -29,7 +29,7 @@ def test_rollout_log_probs_equal_training_recomputation(parallel_1proc, configs,
     s = run.schedule
     prompts = ["a red circle"] * 4
     cond = s.conditioning(prompts)
-    x0, noise = s.noise(0, range(4), 16)
+    x0, noise = s.noise(0, range(4))
     traj = rollout(make_velocity_fn(s.policy, cond, 4), x0, s.sigmas, s.sampler, noise=noise)
     steps = torch.arange(s.s.num_inference_steps - 1).repeat(4, 1)
     s.s = s.s.__class__(**{**s.s.__dict__, "micro_batch_size": train_mbs})

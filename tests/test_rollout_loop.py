@@ -32,6 +32,28 @@ def _recompute(traj, step_fn, steps):
 
 
 @pytest.mark.parametrize("name", ["dance_sde", "flow_sde", "cps"])
+def test_rollout_of_video_latents_equals_the_same_numbers_packed(name):
+    """Latents of any rank: a video's [C, T, h, w] rolled out is its [S, C] packing rolled out,
+    element for element, with the same log-probs (means over every non-batch element)."""
+    shape = (C, 2, 2, S // 4)  # C channels, 2 frames of 2 x S/4 latents: S * C elements, as [S, C]
+
+    def as_video(x):
+        return x.transpose(1, 2).reshape(x.shape[0], *shape)
+
+    def video_velocity(x, sigma):  # the packed velocity, seen through the video layout
+        packed = x.reshape(x.shape[0], C, S).transpose(1, 2)
+        return as_video(velocity(packed, sigma))
+
+    latents, noise = _noise()
+    packed = rollout(velocity, latents, sigma_schedule(N), name, noise=noise)
+    video = rollout(video_velocity, as_video(latents), sigma_schedule(N), name,
+                    noise=noise.transpose(2, 3).reshape(B, N, *shape))
+    assert video.latents.shape == (B, N + 1, *shape)
+    assert torch.equal(video.latents, packed.latents.transpose(2, 3).reshape(B, N + 1, *shape))
+    torch.testing.assert_close(video.log_probs, packed.log_probs, rtol=1e-6, atol=0, equal_nan=True)  # NaN: ODE steps
+
+
+@pytest.mark.parametrize("name", ["dance_sde", "flow_sde", "cps"])
 def test_batched_rollout_equals_single_rollouts(name):
     sigmas = sigma_schedule(N)
     latents, noise = _noise()
@@ -125,16 +147,16 @@ def test_generator_noise_is_reproducible():
 def test_initial_noise_same_within_group_and_independent_of_the_rank_slice():
     from mm_grpo.grpo.schedule import GRPOSettings, draw_noise
     same = GRPOSettings(global_batch_size=12, num_generations=4, num_inference_steps=N, init_same_noise=True)
-    init, steps = draw_noise(same, 0, range(12), S, C)
+    init, steps = draw_noise(same, 0, range(12), (S, C))
     assert init.shape == (12, S, C) and steps.shape == (12, N, S, C)
     groups = init.view(3, 4, S, C)
     assert torch.equal(groups, groups[:, :1].expand_as(groups))  # equal within a group
     assert not torch.equal(groups[0, 0], groups[1, 0])  # different across groups
     assert not torch.equal(steps[0], steps[1])  # the SDE noise is each sample's own
-    part = draw_noise(same, 0, range(4, 8), S, C)  # a data-parallel rank's slice draws the same rows
+    part = draw_noise(same, 0, range(4, 8), (S, C))  # a data-parallel rank's slice draws the same rows
     assert torch.equal(part[0], init[4:8]) and torch.equal(part[1], steps[4:8])
-    free, _ = draw_noise(GRPOSettings(global_batch_size=12, num_generations=4, num_inference_steps=N), 0, range(12), S, C)
-    assert not torch.equal(free[0], free[1]) and not torch.equal(draw_noise(same, 1, range(12), S, C)[0], init)
+    free, _ = draw_noise(GRPOSettings(global_batch_size=12, num_generations=4, num_inference_steps=N), 0, range(12), (S, C))
+    assert not torch.equal(free[0], free[1]) and not torch.equal(draw_noise(same, 1, range(12), (S, C))[0], init)
 
 
 def test_dance_grpo_timesteps():

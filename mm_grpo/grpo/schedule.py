@@ -30,12 +30,11 @@ from mm_grpo.grpo.advantages import NonFiniteRewardError, group_advantages, opti
 from mm_grpo.grpo.loss import awm_loss, grpo_loss, guard_step_weight, nft_loss
 from mm_grpo.grpo.timesteps import (SlidingWindow, branch_window, dance_grpo_timesteps, flow_grpo_timesteps,
                                     window_timesteps)
-from mm_grpo.encoders.latents import token_grid
 from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
 from mm_grpo.parallel.state import dp_mean, dp_reduce
 from mm_grpo.rollout import (CONSTANT_FREE_LOG_PROB, SAMPLERS, SharedPrefix, Trajectory, get_sampler, rollout,
                              sde_steps, sigma_schedule)
-from mm_grpo.runtime.chunks import PER_SAMPLE_CONDITIONING, conditioning, make_velocity_fn
+from mm_grpo.runtime.denoiser import Denoiser, FluxDenoiser
 from mm_grpo.seeding import DEFAULT_SEED, GRPOStream, seeded_generator
 from mm_grpo.settings import setting
 
@@ -234,14 +233,14 @@ class GRPOSettings:
 
 
 # --- seeded draws -----------------------------------------------------------------------
-def draw_noise(s: GRPOSettings, iteration: int, samples: range, tokens: int, channels: int):
-    """Initial noise [B, S, C] and step noise [B, N, S, C] of global samples `samples` (CPU)."""
+def draw_noise(s: GRPOSettings, iteration: int, samples: range, shape: tuple):
+    """Initial noise [B, *shape] and step noise [B, N, *shape] of global samples `samples` (CPU);
+    `shape`: one sample's latents."""
     init, steps = [], []
     for i in samples:
         key = i // s.num_generations if s.init_same_noise else i
-        init.append(torch.randn(tokens, channels,
-                                generator=seeded_generator(s.seed, iteration, GRPOStream.INITIAL_NOISE, key)))
-        steps.append(torch.randn(s.num_inference_steps, tokens, channels,
+        init.append(torch.randn(*shape, generator=seeded_generator(s.seed, iteration, GRPOStream.INITIAL_NOISE, key)))
+        steps.append(torch.randn(s.num_inference_steps, *shape,
                                  generator=seeded_generator(s.seed, iteration, GRPOStream.STEP_NOISE, i)))
     return torch.stack(init), torch.stack(steps)
 
@@ -275,12 +274,14 @@ class GRPOSchedule:
     the training loop trains their wrappers. ref_policy: the frozen reference of the KL term.
     old_policy: nft's old policy (an EMA of the trained one, kept by the trainer), which then also
     samples the rollouts; None: the policy itself as it is at the rollout.
-    conditioner(prompts) -> (prompt_embeds, pooled, txt_ids); decoder(x0, height, width) ->
-    images in [0, 1]; reward(images, prompts) -> (total [B], {name: [B]})."""
+    denoiser: what the schedule needs from the model family (runtime/denoiser.py; default FLUX's).
+    conditioner(prompts) -> the text features the denoiser reads (FLUX: prompt_embeds, pooled,
+    txt_ids); decoder(x0, height, width) -> images (or videos) in [0, 1];
+    reward(images, prompts) -> (total [B], {name: [B]})."""
 
     def __init__(self, settings: GRPOSettings, policy: list, conditioner: Callable, decoder: Callable,
                  reward: Callable, ref_policy: Optional[list] = None, device=None,
-                 old_policy: Optional[list] = None):
+                 old_policy: Optional[list] = None, denoiser: Optional[Denoiser] = None):
         self.s = settings
         self.policy, self.ref_policy = list(policy), ref_policy
         # Who samples (and gives nft's v_old): PPO's log-probs must be the trained policy's own.
@@ -298,7 +299,8 @@ class GRPOSchedule:
         self.sigmas = sigma_schedule(settings.num_inference_steps, settings.sigma_shift).to(self.device)
         self.objective = OBJECTIVES[settings.policy_loss](settings, self.sampler, self.sigmas)
         self.window = SlidingWindow(size=settings.window_size, every=settings.window_shift_every)
-        self.grid = token_grid(settings.height, settings.width)
+        self.denoiser = denoiser or FluxDenoiser.of(self.policy, settings.height, settings.width,
+                                                    settings.guidance_scale)
 
     # --- sample bookkeeping -------------------------------------------------------
     def local_samples(self) -> range:
@@ -312,13 +314,12 @@ class GRPOSchedule:
     def conditioning(self, prompts: List[str]):
         # A prompt appears G times in a batch: encode (or look up) each one once.
         unique = list(dict.fromkeys(prompts))
-        embeds, pooled, txt_ids = self.conditioner(unique)
-        rows = torch.tensor([unique.index(p) for p in prompts], device=embeds.device)
-        return conditioning((embeds[rows], pooled[rows], txt_ids), self.grid, self.s.guidance_scale, self.device)
+        rows = torch.tensor([unique.index(p) for p in prompts])
+        return self.denoiser.conditioning(self.conditioner(unique), rows, self.device)
 
-    def noise(self, iteration: int, samples: range, channels: int):
-        """Initial noise [B, S, C] and step noise [B, N, S, C], per global sample index."""
-        init, steps = draw_noise(self.s, iteration, samples, self.grid[0] * self.grid[1], channels)
+    def noise(self, iteration: int, samples: range):
+        """Initial noise [B, *latent] and step noise [B, N, *latent], per global sample index."""
+        init, steps = draw_noise(self.s, iteration, samples, self.denoiser.latent_shape)
         return init.to(self.device), steps.to(self.device)
 
     def sde_window(self, iteration: int):
@@ -337,8 +338,8 @@ class GRPOSchedule:
     # --- the phases ---------------------------------------------------------------------
     @torch.no_grad()
     def sample(self, iteration: int, prompts: List[str], samples: range, cond: dict, window=None):
-        x0, step_noise = self.noise(iteration, samples, self.policy[0].flux_config.in_channels)
-        velocity = make_velocity_fn(self.sampling_policy, cond, self.s.micro_batch_size)
+        x0, step_noise = self.noise(iteration, samples)
+        velocity = self.denoiser.velocity_fn(self.sampling_policy, cond, self.s.micro_batch_size)
         return rollout(velocity, x0, self.sigmas, self.sampler, sde_window=window, noise=step_noise,
                        ode_reuse=self.s.ode_reuse, shared_prefix=self.shared_prefix(samples, cond, window))
 
@@ -349,9 +350,8 @@ class GRPOSchedule:
             return None
 
         def velocity_over(rows):
-            rows_cond = {k: v[rows.to(v.device)] if k in PER_SAMPLE_CONDITIONING and v is not None else v
-                         for k, v in cond.items()}
-            return make_velocity_fn(self.sampling_policy, rows_cond, math.gcd(len(rows), self.s.micro_batch_size))
+            return self.denoiser.velocity_fn(self.sampling_policy, self.denoiser.rows_of(cond, rows),
+                                             math.gcd(len(rows), self.s.micro_batch_size))
 
         return SharedPrefix.of_groups(self.group_ids(samples), velocity_over)
 
@@ -369,7 +369,7 @@ class GRPOSchedule:
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mm-grpo-reward") as scorer:
             for start in range(0, len(samples), part):
                 rows = slice(start, start + part)
-                part_cond = {k: v[rows] if k in PER_SAMPLE_CONDITIONING and v is not None else v for k, v in cond.items()}
+                part_cond = self.denoiser.rows_of(cond, rows)
                 trajs.append(self.sample(iteration, prompts[rows], samples[rows], part_cond, window))
                 pending.append(scorer.submit(self.score, trajs[-1].x0_hat, prompts[rows]))
             t1 = time.time()
@@ -393,8 +393,8 @@ class GRPOSchedule:
                 t = steps[r, k].to(self.device)
                 out.append(dict(
                     self.objective.fields(traj, r, t, k, drawn), timestep=self.sigmas[t], advantages=advantages[r],
-                    **{key: cond[key][r] for key in PER_SAMPLE_CONDITIONING},
-                    txt_ids=cond["txt_ids"], img_ids=cond["img_ids"]))
+                    **{key: cond[key][r] for key in self.denoiser.per_sample_keys},
+                    **{key: cond[key] for key in self.denoiser.shared_keys}))
         return out
 
     @torch.no_grad()
@@ -410,8 +410,8 @@ class GRPOSchedule:
             self.objective.attach_old(mb, self._velocity(self.sampling_policy, mb))
 
     def _velocity(self, chunks, mb):
-        cond = {k: mb[k] for k in (*PER_SAMPLE_CONDITIONING, "txt_ids", "img_ids")}
-        return make_velocity_fn(chunks, cond, self.s.micro_batch_size)(mb["hidden_states"], mb["timestep"])
+        cond = {k: mb[k] for k in (*self.denoiser.per_sample_keys, *self.denoiser.shared_keys)}
+        return self.denoiser.velocity_fn(chunks, cond, self.s.micro_batch_size)(mb["hidden_states"], mb["timestep"])
 
     def prepare(self, iteration: int, prompts: List[str]):
         """Rollout, reward and advantages: (micro-batches of each optimizer update, stats).

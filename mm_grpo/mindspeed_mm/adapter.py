@@ -24,7 +24,6 @@ import functools
 import torch
 import torch.distributed as dist
 
-from mm_grpo.runtime.chunks import FORWARD_KEYS
 from mm_grpo.training.run_guard import SkipGuard
 
 # Rollout statistics logged with each micro-batch's loss (Megatron logs the loss dictionary).
@@ -78,5 +77,4 @@ def grpo_forward_step(schedule, data_iterator, model):
     """Megatron's `forward_step(data_iterator, model) -> (output, loss_func)` for GRPO (bind
     `schedule` with functools.partial)."""
     batch = next(data_iterator)
-    output = model(**{k: batch[k] for k in FORWARD_KEYS if k in batch})
-    return output, functools.partial(_loss_func, schedule, batch)
+    return schedule.denoiser.forward(model, batch), functools.partial(_loss_func, schedule, batch)

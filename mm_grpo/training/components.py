@@ -20,6 +20,7 @@ from mm_grpo.data import PromptStream, read_prompts
 from mm_grpo.encoders.latents import token_grid
 from mm_grpo.grpo.schedule import GRPOSchedule
 from mm_grpo.rewards.combined import CombinedReward
+from mm_grpo.runtime.denoiser import FluxDenoiser
 
 MODEL_FLAG = "--mm-model"  # the flag that names model.json, in errors
 DEFAULT_IMAGE_SIZE = (64, 64)  # when neither the flags nor model.json's image_size name one: the tiny demo's
@@ -118,11 +119,18 @@ def grpo_reward(model_cfg, prompts, device) -> CombinedReward:
     return reward
 
 
+def flux_parts(model_cfg, settings, policy, device, dtype):
+    """(conditioner, decoder, denoiser) of a FLUX run: model.json's text encoders and VAE decoder."""
+    return (conditioner(block(model_cfg, "text_encoder", MODEL_FLAG), device, dtype),
+            decoder(block(model_cfg, "ae", MODEL_FLAG), device, dtype),
+            FluxDenoiser.of(policy, settings.height, settings.width, settings.guidance_scale))
+
+
 def grpo_schedule(settings, policy, model_cfg, reward, device, dtype, schedule_cls=GRPOSchedule,
-                  ref_policy=None, old_policy=None) -> GRPOSchedule:
-    """The GRPO schedule of a run: `policy` (this rank's chunks), model.json's text encoder and VAE
-    decoder, the reward `grpo_reward` built; `ref_policy` for the KL term, `old_policy` the sampler."""
-    return schedule_cls(settings, policy,
-                        conditioner=conditioner(block(model_cfg, "text_encoder", MODEL_FLAG), device, dtype),
-                        decoder=decoder(block(model_cfg, "ae", MODEL_FLAG), device, dtype),
-                        reward=reward, ref_policy=ref_policy, old_policy=old_policy, device=device)
+                  ref_policy=None, old_policy=None, parts=flux_parts) -> GRPOSchedule:
+    """The GRPO schedule of a run: `policy` (this rank's chunks), the reward `grpo_reward` built and the
+    model family's `parts` (conditioner, decoder, denoiser: FLUX's, or mindspeed_mm/wan.py's);
+    `ref_policy` for the KL term, `old_policy` the sampler."""
+    conditioner_fn, decoder_fn, denoiser = parts(model_cfg, settings, policy, device, dtype)
+    return schedule_cls(settings, policy, conditioner=conditioner_fn, decoder=decoder_fn, reward=reward,
+                        ref_policy=ref_policy, old_policy=old_policy, device=device, denoiser=denoiser)

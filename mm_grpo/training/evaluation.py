@@ -9,10 +9,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from mm_grpo.encoders.latents import token_grid
-from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
 from mm_grpo.rollout import rollout
-from mm_grpo.runtime.chunks import conditioning, make_velocity_fn
+from mm_grpo.runtime.denoiser import Denoiser
 from mm_grpo.seeding import Stream, seeded_generator
 from mm_grpo.training import intervals
 
@@ -103,12 +101,12 @@ def compare(before_stats: Dict[str, float], after_stats: Dict[str, float], befor
 class Evaluator:
     """`evaluator(model_chunks)` -> EvalResult over `prompts` x `samples_per_prompt` images.
 
-    conditioner(prompts) -> (embeds, pooled, txt_ids); decoder(latents, height, width) -> images;
-    reward(images, prompts) -> (total [B], {name: [B]}). Every model-parallel rank calls it."""
+    conditioner(prompts) -> the text features `denoiser` reads; decoder(latents, height, width) ->
+    images; reward(images, prompts) -> (total [B], {name: [B]}). Every model-parallel rank calls it."""
 
     def __init__(self, prompts: List[str], conditioner: Callable, decoder: Callable, reward: Callable,
-                 sigmas: torch.Tensor, height: int, width: int, channels: int, guidance: float = FLUX_DEV_GUIDANCE,
-                 samples_per_prompt: int = 1, seed: int = 0, batch_size: int = 64, device=None):
+                 sigmas: torch.Tensor, denoiser: Denoiser, height: int, width: int, samples_per_prompt: int = 1,
+                 seed: int = 0, batch_size: int = 64, device=None):
         if not prompts:
             raise ValueError("evaluation needs at least one prompt")
         if samples_per_prompt < 1 or batch_size < 1:
@@ -117,14 +115,13 @@ class Evaluator:
         self.prompts = [p for p in prompts for _ in range(samples_per_prompt)]
         self.keys = [(i, j) for i in range(len(prompts)) for j in range(samples_per_prompt)]
         self.conditioner, self.decoder, self.reward = conditioner, decoder, reward
-        self.sigmas, self.height, self.width, self.channels = sigmas, height, width, channels
-        self.guidance, self.seed, self.batch_size = guidance, seed, batch_size
+        self.sigmas, self.denoiser, self.height, self.width = sigmas, denoiser, height, width
+        self.seed, self.batch_size = seed, batch_size
         self.device = device or torch.device("cpu")
-        self.grid = token_grid(height, width)
 
     def noise(self, keys) -> torch.Tensor:
-        tokens = self.grid[0] * self.grid[1]
-        return torch.stack([torch.randn(tokens, self.channels, generator=seeded_generator(self.seed, Stream.EVALUATION, i, j))
+        shape = self.denoiser.latent_shape
+        return torch.stack([torch.randn(*shape, generator=seeded_generator(self.seed, Stream.EVALUATION, i, j))
                             for i, j in keys]).to(self.device)
 
     @torch.no_grad()
@@ -132,8 +129,9 @@ class Evaluator:
         images, totals, values = [], [], {}
         for start in range(0, len(self.prompts), self.batch_size):
             prompts = self.prompts[start:start + self.batch_size]
-            cond = conditioning(self.conditioner(prompts), self.grid, self.guidance, self.device)
-            traj = rollout(make_velocity_fn(model_chunks, cond, len(prompts)), self.noise(self.keys[start:start + len(prompts)]),
+            cond = self.denoiser.conditioning(self.conditioner(prompts), None, self.device)
+            traj = rollout(self.denoiser.velocity_fn(model_chunks, cond, len(prompts)),
+                           self.noise(self.keys[start:start + len(prompts)]),
                            self.sigmas, "ode")
             batch = self.decoder(traj.x0_hat, self.height, self.width)
             total, per_reward = self.reward(batch, prompts)
@@ -161,11 +159,11 @@ def eval_settings(dataset_param: dict, source: str = "--mm-data") -> Tuple[int, 
     return whole("eval_samples_per_prompt", 1, 1), whole("eval_seed", 0, 0)
 
 
-def held_out_evaluator(prompts: List[str], schedule, dataset_param: dict, channels: int, device=None) -> Evaluator:
+def held_out_evaluator(prompts: List[str], schedule, dataset_param: dict, device=None) -> Evaluator:
     """A GRPO run's held-out evaluation: `prompts` x `eval_samples_per_prompt` (data.json's
     dataset_param, default 1) from fixed noise (`eval_seed`, default 0: the same for runs with
-    different --seed), with the schedule's conditioner, decoder, rewards, sigmas, image size and guidance."""
+    different --seed), with the schedule's conditioner, decoder, rewards, sigmas, denoiser and image size."""
     s = schedule
     samples_per_prompt, seed = eval_settings(dataset_param)
-    return Evaluator(prompts, s.conditioner, s.decoder, s.reward, s.sigmas, s.s.height, s.s.width, channels,
-                     s.s.guidance_scale, samples_per_prompt, seed=seed, device=device)
+    return Evaluator(prompts, s.conditioner, s.decoder, s.reward, s.sigmas, s.denoiser, s.s.height, s.s.width,
+                     samples_per_prompt, seed=seed, device=device)

@@ -26,6 +26,7 @@ from mm_grpo.flow import FlowMatchingSettings, flow_matching_loss, noisy_latents
 from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
 from mm_grpo.parallel import initialize_parallel
 from mm_grpo.runtime.chunks import conditioning
+from mm_grpo.runtime.denoiser import FluxDenoiser
 from mm_grpo.seeding import DEFAULT_SEED, Stream, seeded_generator
 from mm_grpo.settings import from_args, setting
 from mm_grpo.training import arguments, components
@@ -158,9 +159,9 @@ class FlowRun(ConfiguredRun):
         reward.check_prompts(prompts)  # before training, not at the first evaluation
         return Evaluator(
             prompts, self.features.text, components.decoder(self.model_cfg["ae"], self.device, torch.float32), reward,
-            sigma_schedule(self.args.num_inference_steps, self.args.sigma_shift).to(self.device), self.size,
-            self.size, self.flux_config.in_channels, self.args.guidance_scale,
-            params.get("eval_samples_per_prompt", 1), seed=params.get("eval_seed", 0), device=self.device)
+            sigma_schedule(self.args.num_inference_steps, self.args.sigma_shift).to(self.device),
+            FluxDenoiser(self.size, self.size, self.flux_config.in_channels, self.args.guidance_scale), self.size,
+            self.size, params.get("eval_samples_per_prompt", 1), seed=params.get("eval_seed", 0), device=self.device)
 
     # --- data -------------------------------------------------------------------------
     def local_samples(self, iteration: int) -> range:

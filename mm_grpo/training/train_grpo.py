@@ -100,8 +100,7 @@ class GRPORun(ConfiguredRun):
         if not self.eval_prompts:
             return None
         return evaluation.held_out_evaluator(self.eval_prompts[:self.args.eval_prompts], self.schedule,
-                                             self.data_cfg["dataset_param"], self.flux_config.in_channels,
-                                             self.device)
+                                             self.data_cfg["dataset_param"], self.device)
 
     # --- what the loop calls ---------------------------------------------------------------
     def step(self, iteration):
