@@ -51,6 +51,9 @@ class RewardConfig:
             return cfg
         if not isinstance(cfg, dict):
             raise ValueError(f"reward config must be a dict or RewardConfig, got {type(cfg).__name__}")
+        own = getattr(REWARDS.get(cfg.get("name")), "config_class", cls)  # a reward with fields of its own
+        if issubclass(own, cls) and own is not cls:
+            return own.from_any(cfg)
         unknown = set(cfg) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown reward config key(s) {sorted(unknown)} in {cfg}")
