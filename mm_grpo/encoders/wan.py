@@ -1,0 +1,112 @@
+"""Wan2.1's text encoder (umT5) and VAE, outside a pipeline object.
+
+`UMT5Conditioner.encode` computes what `WanPipeline.encode_prompt` gives as prompt embeddings, and
+`WanVaeDecoder` turns latents into frames in [0, 1] as WanPipeline's last step does, so the
+trainer needs neither the pipeline nor its scheduler.
+"""
+from pathlib import Path
+
+import torch
+
+from mm_grpo.encoders.text import transformers_5
+
+WAN_VAE_TEMPORAL = 4  # the VAE's stride in time: 4k + 1 frames <-> k + 1 latent frames
+WAN_VAE_SPATIAL = 8  # and in height / width
+WAN_PATCH = (1, 2, 2)  # the DiT's patch (frames, rows, columns) over the latents
+
+
+def video_latent_shape(num_frames, height, width, channels=16):
+    """(C, T, h, w) of the latents of a `num_frames` x `height` x `width` video."""
+    if num_frames < 1 or (num_frames - 1) % WAN_VAE_TEMPORAL:
+        raise ValueError(f"num_frames {num_frames}: Wan's VAE takes {WAN_VAE_TEMPORAL}k + 1 frames (77, 81, ...)")
+    step = WAN_VAE_SPATIAL * WAN_PATCH[1]  # latent sides must split into whole 2x2 patches
+    if height <= 0 or width <= 0 or height % step or width % step:
+        raise ValueError(f"video size {height}x{width} must be positive multiples of {step}"
+                         f" (VAE factor {WAN_VAE_SPATIAL} x the DiT's {WAN_PATCH[1]}x{WAN_PATCH[2]} patch)")
+    return channels, (num_frames - 1) // WAN_VAE_TEMPORAL + 1, height // WAN_VAE_SPATIAL, width // WAN_VAE_SPATIAL
+
+
+def _folder(pipeline_dir, name, marker="config.json"):
+    folder = Path(pipeline_dir) / name
+    if not (folder / marker).is_file():
+        raise FileNotFoundError(f"no {name}/ in {pipeline_dir} (expected a diffusers Wan pipeline folder)")
+    return folder
+
+
+def load_tokenizer(pipeline_dir):
+    """The umT5 tokenizer of a Wan pipeline folder, as the fast class: it reads tokenizer.json under
+    transformers 4.x and 5 alike. A folder written under transformers 5 names T5Tokenizer in its
+    model_index, a slow class in 4.x: there, load the pipeline with `tokenizer=None`, then
+    `pipe.register_modules(tokenizer=load_tokenizer(folder))`."""
+    from transformers import T5TokenizerFast
+
+    # transformers 5 writes "extra_special_tokens": [] where 4.x expects a mapping.
+    kwargs = {} if transformers_5() else {"extra_special_tokens": {}}
+    return T5TokenizerFast.from_pretrained(_folder(pipeline_dir, "tokenizer", "tokenizer_config.json"), **kwargs)
+
+
+class UMT5Conditioner:
+    """umT5 from a Wan pipeline folder; `encode(prompts)` -> prompt_embeds [B, L, d_model]."""
+
+    def __init__(self, pipeline_dir, device="cpu", dtype=torch.float32, max_sequence_length=512):
+        from transformers import UMT5EncoderModel
+
+        if max_sequence_length < 1:
+            raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
+        self.device = torch.device(device)
+        self.max_sequence_length = max_sequence_length
+        self.tokenizer = load_tokenizer(pipeline_dir)
+        encoder = UMT5EncoderModel.from_pretrained(_folder(pipeline_dir, "text_encoder"), dtype=dtype)
+        self.text_encoder = encoder.to(self.device).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def encode(self, prompts):
+        return self.encode_with_mask(prompts)[0]
+
+    @torch.no_grad()
+    def encode_with_mask(self, prompts):
+        """`encode`'s embeddings and the tokenizer's attention mask [B, L] (1: a prompt token)."""
+        # WanPipeline's own text cleaning (ftfy when installed, HTML unescaping, whitespace).
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        tokens = self.tokenizer(
+            [prompt_clean(p) for p in prompts],
+            padding="max_length",
+            max_length=self.max_sequence_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        ).to(self.device)
+        # Unlike FLUX, Wan masks the padding in umT5's attention, then zeroes its outputs: the
+        # DiT's cross-attention sees exact zeros past each prompt's end.
+        prompt_embeds = self.text_encoder(tokens.input_ids, tokens.attention_mask).last_hidden_state
+        seq_lens = tokens.attention_mask.gt(0).sum(dim=1)
+        past_end = torch.arange(self.max_sequence_length, device=self.device)[None, :] >= seq_lens[:, None]
+        prompt_embeds = prompt_embeds.to(self.text_encoder.dtype).masked_fill(past_end[..., None], 0)
+        return prompt_embeds, tokens.attention_mask
+
+
+class WanVaeDecoder:
+    """Latents [B, C, T, h, w] -> frames [B, 4(T - 1) + 1, 3, 8h, 8w] float32 in [0, 1], on the VAE's device."""
+
+    def __init__(self, pipeline_dir, device="cpu", dtype=torch.float32):
+        from diffusers import AutoencoderKLWan
+
+        self.device = torch.device(device)
+        vae = AutoencoderKLWan.from_pretrained(_folder(pipeline_dir, "vae"), torch_dtype=dtype)
+        self.vae = vae.to(self.device).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def __call__(self, latents):
+        cfg = self.vae.config
+        latents = latents.to(self.device, self.vae.dtype)
+        # Undo the per-channel normalisation the DiT's latent space was trained in, written as
+        # WanPipeline writes it (divide by 1 / std) so that the results match it bit for bit.
+        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(latents)
+        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(latents)
+        video = self.vae.decode(latents / inv_std + mean, return_dict=False)[0]  # [B, 3, F, H, W] in [-1, 1]
+        # VideoProcessor.postprocess_video(output_type="pt"): [-1, 1] -> [0, 1], frames first.
+        return (video * 0.5 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4).float().contiguous()
