@@ -54,6 +54,7 @@ def set_megatron_args(model_json, data_json, tp=1, pp=1, cp=1, micro_batch=2, ex
     sizes from the predictor block, as examples/flux/mindspeed_mm/pretrain_flux.sh has it. The
     model-parallel groups are the caller's."""
     from mindspeed_mm.configs.config import mm_extra_args_provider  # first: its import patches validate_args
+    from mindspeed_mm.arguments import extra_args_provider_decorator  # MindSpeed-MM's own flags, as pretrain adds them
     from megatron.training import arguments
     from megatron.training.global_vars import set_global_variables, unset_global_variables
     argv = ["pretrain_sora.py", "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
@@ -64,7 +65,7 @@ def set_megatron_args(model_json, data_json, tp=1, pp=1, cp=1, micro_batch=2, ex
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # MindSpeed-MM's launch scripts export it; its TP / CP check reads it
     saved, sys.argv = sys.argv, argv
     try:
-        args = arguments.parse_args(mm_extra_args_provider)
+        args = arguments.parse_args(extra_args_provider_decorator(mm_extra_args_provider))
         arguments.validate_args(args, {"dataloader_type": "external", "vision_pretraining": False,
                                     "curr_forward_iteration": 0})
     finally:

@@ -51,3 +51,10 @@ def test_multi_tensor_schedule_module_is_patched_when_imported():
     import torch
     assert communication.torch.cuda.current_device() == torch.device("cpu")
     assert cpu_patches.applied_targets("mindspeed_multi_parameter_pipeline") == (communication.__name__,)
+
+
+def test_ulysses_gather_module_is_patched_when_imported():
+    require_testbed(needs_megatron_training=True)
+    from mindspeed.core.context_parallel.ulysses_context_parallel.unaligned_cp import mapping
+    assert cpu_patches.applied_targets("mindspeed_ulysses_device_check") == (mapping.__name__,)
+    assert "cpu" in mapping._gather.__code__.co_consts and "cuda" not in mapping._gather.__code__.co_consts

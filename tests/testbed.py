@@ -28,7 +28,7 @@ STANDINS = {
     "torch_npu": (
         "Ascend's torch backend: a C extension built against CANN, needs an NPU. MindSpeed-MM and "
         "MindSpeed (its real Megatron adaptor included) import it at module level; the stand-in imports "
-        "with every submodule, answers torch_npu.npu.current_device() with the CPU, lacks what a gloo "
+        "with every submodule, answers torch_npu.npu.current_device() with the CPU (and synchronize() with nothing to wait for), lacks what a gloo "
         "group cannot take (HCCL options), constructs the profiler's set-up objects MindSpeed-MM's train "
         "builds even when not profiling, and raises on every NPU kernel when called "
         "(tests/standins/npu_only.py). torch_npu.contrib.transfer_to_npu, which maps cuda to the NPU "

@@ -1,4 +1,5 @@
-"""GRPO of FLUX inside MindSpeed-MM's own `pretrain` (its fork of Megatron-LM's loop).
+"""GRPO of FLUX, or of MindSpeed-MM's own Wan2.1 DiT (`"model_id": "wandit"`, mm_grpo/mindspeed_mm/wan.py),
+inside MindSpeed-MM's own `pretrain` (its fork of Megatron-LM's loop).
 
     torchrun $DISTRIBUTED_ARGS -m mm_grpo.mindspeed_mm.grpo $GPT_ARGS $MM_ARGS $GRPO_ARGS $OUTPUT_ARGS
 
@@ -8,8 +9,8 @@ blocks, prompt files and rewards, the batch sizes, `--load`'s iteration and the 
 refuses. A refusal is one line per launch (`run_entry`), before Megatron is initialized.
 
 MindSpeed-MM's `pretrain` then parses Megatron's arguments (plus the GRPO group below),
-initializes Megatron, builds the model through `model_provider` (the `flux` predictor of
-`--mm-model`, made by MindSpeed-MM's `PredictModel`, its `from_pretrained` file loaded by
+initializes Megatron, builds the model through `model_provider` (the `flux` or `wandit` predictor
+of `--mm-model`, made by MindSpeed-MM's `PredictModel`, its `from_pretrained` file loaded by
 MindSpeed-MM's `load_checkpoint`), wraps it in DDP, builds the optimizer and LR schedule, loads
 `--load`, then asks `train_valid_test_datasets_provider` for the data iterator and runs its
 training loop: per step, Megatron's forward-backward over `get_num_microbatches()` micro-batches
@@ -55,6 +56,7 @@ from megatron.core.enums import ModelType
 from megatron.training import get_args
 
 import mm_grpo.mindspeed_mm.registry  # noqa: F401  (`"model_id": "flux"` in MindSpeed-MM's predictor mapping)
+from mm_grpo.mindspeed_mm import wan
 from mm_grpo.data import PromptStream
 from mm_grpo.files.jsonfile import load_json
 from mm_grpo.files.lock import RunFolderLocked
@@ -193,6 +195,8 @@ def _check_launch(argv) -> Launch:
     data_cfg = components.resolve_paths(load_json(args.mm_data, "--mm-data"), cwd)
     for name in MODEL_BLOCKS:
         components.block(model_cfg, name, "--mm-model")
+    if wan.is_wan(model_cfg):
+        wan.check_wan_launch(args, model_cfg)
     settings = grpo_settings(args, model_cfg, args.world_size // model_parallel)
     u, start = settings.updates_per_rollout, resumed_iteration(args)
     check_rollout_boundary(start, u)
@@ -232,8 +236,11 @@ class GRPOInPretrain:
         self.first_eval = self.last_eval = None  # this launch's first and last EvalResult (the paired gain)
 
     def model_provider(self, pre_process=True, post_process=True):
+        from megatron.training.arguments import core_transformer_config_from_args
         from mindspeed_mm.models.predictor.predict_model import PredictModel
         model = PredictModel(get_args().mm.model.predictor).get_model()
+        if model.config is None:  # MindSpeed-MM's own DiTs (wandit) get Megatron's config from SoRAModel, as here
+            model.config = core_transformer_config_from_args(get_args())
         self.policy.append(model)
         return model
 
@@ -245,11 +252,13 @@ class GRPOInPretrain:
             self.lock = run_guard.prepare_save_folder(args.save, run_guard.checkpoint_bytes(self.policy))
         device = mm_grpo.get_platform().device
         dtype = torch.bfloat16 if args.bf16 else torch.float32
+        parts = wan.wan_parts if wan.is_wan(launch.model_cfg) else components.flux_parts
         self.schedule = components.grpo_schedule(launch.settings, self.policy, launch.model_cfg, launch.reward,
-                                                 device, dtype, ref_policy=self.reference_policy(args, device))
+                                                 device, dtype, ref_policy=self.reference_policy(args, device),
+                                                 parts=parts)
         if launch.eval_prompts:
             self.evaluator = held_out_evaluator(launch.eval_prompts, self.schedule, launch.data_cfg["dataset_param"],
-                                                self.policy[0].flux_config.in_channels, device)
+                                                device)
         rollout = args.iteration // launch.settings.updates_per_rollout
         launch.prompts.load_state_dict({"consumed": rollout * launch.settings.prompts_per_iteration})
         self.data = GRPOMicroBatches(self.schedule, launch.prompts, start_iteration=rollout,
@@ -264,11 +273,12 @@ class GRPOInPretrain:
         --load release checkpoint); resumed, predictor.from_pretrained, loaded as PredictModel loads it."""
         if not self.launch.settings.kl_beta > 0:
             return None
+        from mindspeed_mm.configs.config import ConfigReader
         from mindspeed_mm.models.common.checkpoint import load_checkpoint
-        from mm_grpo.mindspeed_mm.registry import build_model
+        from mindspeed_mm.models.predictor.predict_model import PredictModel
         policy = self.policy[0]
         block = args.mm.model.predictor.to_dict()
-        ref = build_model(**{k: v for k, v in block.items() if k != "from_pretrained"})
+        ref = PredictModel(ConfigReader({k: v for k, v in block.items() if k != "from_pretrained"})).get_model()
         if args.iteration == 0:
             ref.load_state_dict(policy.state_dict())
         else:

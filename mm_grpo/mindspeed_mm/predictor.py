@@ -111,7 +111,7 @@ class FluxPredictor(FluxTransformer):
         # pretrain_sora.py's loss_func divides the loss by the context-parallel size, so that
         # Megatron's scaling by it cancels; MindSpeed-MM's DiTs scale the gradient in their
         # gather's backward instead. (mm-grpo's own loss keeps Megatron's scaling.)
-        out = _scale_grad(out, parallel_state.get_context_parallel_world_size())
+        out = scale_grad(out, parallel_state.get_context_parallel_world_size())
         return unpack_latents(out, h * VAE_SCALE_FACTOR, w * VAE_SCALE_FACTOR).reshape(shape)
 
     # MindSpeed-MM's pipeline contract (pretrain_sora.py / SoRAModel under PP): the tensors that
@@ -160,7 +160,7 @@ class _GradScale(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def _scale_grad(x, scale):
+def scale_grad(x, scale):
     """x, with its gradient multiplied by `scale` on the way back."""
     return x if scale == 1 else _GradScale.apply(x, scale)
 

@@ -278,6 +278,14 @@ CPU_PATCHES = (
         _bind_torch_on_cpu,
     ),
     CpuPatch(
+        "mindspeed_ulysses_device_check",
+        ("mindspeed.core.context_parallel.ulysses_context_parallel.unaligned_cp.mapping",),
+        "MindSpeed's Ulysses gather (MindSpeed-MM's wandit under context parallelism) asserts that a tensor is on "
+        "'cuda' or 'npu' before its all-gather; the constant 'cuda' becomes 'cpu' in this module's code, so that "
+        "a gloo group's CPU tensors pass the same check",
+        _constant_swapper({"cuda": "cpu"}),
+    ),
+    CpuPatch(
         "mindspeed_multi_parameter_pipeline",
         ("mindspeed.core.pipeline_parallel.multi_parameter.communication",),
         "MindSpeed's multi-tensor pipeline schedule (pretrain_sora.py under PP) makes its gradient "

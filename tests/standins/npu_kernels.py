@@ -106,7 +106,8 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
     _check(0 <= sparse_mode <= 8, f"npu_fusion_attention: sparse_mode must be in 0..8, got {sparse_mode}")
     for name, arg in (("TND layout", input_layout == "TND"), ("pse", pse is not None),
                       ("padding_mask", padding_mask is not None), ("prefix", prefix is not None),
-                      ("actual_seq_qlen/kvlen", actual_seq_qlen is not None or actual_seq_kvlen is not None),
+                      # varlen lengths: MindSpeed-MM passes empty lists outside TND, which the kernel reads as none
+                      ("actual_seq_qlen/kvlen", bool(actual_seq_qlen) or bool(actual_seq_kvlen)),
                       ("dropout (keep_prob < 1)", keep_prob != 1)):
         if arg:
             raise NotImplementedError(f"npu_fusion_attention reference: {name} (mm-grpo does not use it)")

@@ -4,7 +4,7 @@ compiler; both need CANN and an NPU): see tests/testbed.py.
 MindSpeed-MM and MindSpeed import them at module level almost everywhere, for NPU kernels
 they call only on an NPU. A stand-in module imports, has every submodule, and every attribute
 is an NPU-only function that raises when called; the exceptions are
-`torch_npu.npu.current_device()` / `is_available()` and `Tensor.npu()`, which answer for the CPU the
+`torch_npu.npu.current_device()` / `is_available()` / `synchronize()` and `Tensor.npu()`, which answer for the CPU the
 tests run on (importing the stand-in registers them as `torch.npu` / `Tensor.npu`, as the real torch_npu does),
 and the fused kernels mm-grpo calls, whose CPU references are in tests/standins/npu_kernels.py.
 """
@@ -73,4 +73,5 @@ def make_module(name: str) -> types.ModuleType:
     elif name == "torch_npu.npu":  # where MindSpeed-MM places tensors: the CPU the tests run on
         module.current_device = lambda: torch.device("cpu")
         module.is_available = lambda: False
+        module.synchronize = lambda device=None: None  # the CPU runs each op to its end: nothing to wait for
     return module

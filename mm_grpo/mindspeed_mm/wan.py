@@ -1,0 +1,133 @@
+"""Wan2.1 text-to-video GRPO on MindSpeed-MM's own DiT (`"model_id": "wandit"`, built by its
+`PredictModel`): the denoiser the schedule drives, umT5 text features and Wan's VAE.
+
+MindSpeed-MM's WanDiT takes `(latents [B, C, T, h, w], timestep on 0..1000, prompt [B, L, D])` and
+returns a tuple whose first entry is the velocity (noise - x0, its flow-matching target) on the last
+pipeline stage. What it runs, measured against diffusers' WanTransformer3DModel
+(tests/test_wan_grpo.py), and therefore what this module refuses in one line:
+- a micro-batch of one sample: its output head adds the [B, D] time embedding to a [1, 2, D]
+  modulation table without a sample axis, which mixes the samples of a micro-batch of 2 and fails
+  beyond (MindSpeed-MM's Wan scripts all run --micro-batch-size 1);
+- tensor parallel size 1: its q / k RMSNorm spans the whole hidden size, which a tensor-parallel
+  shard does not hold (MindSpeed-MM's Wan scripts run TP 1; its WanConverter does not split for TP);
+- Ulysses context parallelism over the video tokens, T x h/2 x w/2 of them, which CP must divide;
+and model.json's text encoder and VAE must be a Wan pipeline's (umT5, AutoencoderKLWan).
+"""
+import dataclasses
+import json
+import os
+from typing import Dict, Tuple
+
+import torch
+from megatron.core import parallel_state
+
+from mm_grpo.encoders.wan import WAN_PATCH, UMT5Conditioner, WanVaeDecoder, video_latent_shape
+from mm_grpo.mindspeed_mm.predictor import scale_grad
+from mm_grpo.runtime.denoiser import Denoiser
+from mm_grpo.training import components
+
+MODEL_ID = "wandit"
+# MindSpeed-MM's wan_flow_match_scheduler: timesteps = sigmas x num_train_timesteps (1000 in its configs)
+TIMESTEP_SCALE = 1000.0
+DEFAULT_NUM_FRAMES = 81  # Wan2.1's 5 s at 16 fps
+DEFAULT_TEXT_LEN = 512  # Wan2.1's umT5 sequence length
+
+
+def is_wan(model_cfg: dict) -> bool:
+    return model_cfg.get("predictor", {}).get("model_id") == MODEL_ID
+
+
+def video_size(model_cfg: dict) -> Tuple[int, int, int]:
+    """(frames, height, width) of model.json (`num_frames`, `image_size`), checked against the VAE."""
+    height, width = components.image_size(model_cfg)
+    frames = int(model_cfg.get("num_frames", DEFAULT_NUM_FRAMES))
+    video_latent_shape(frames, height, width)
+    return frames, height, width
+
+
+def video_tokens(latent_shape) -> int:
+    """The DiT's sequence length over latents [C, T, h, w]: one token per 1 x 2 x 2 patch."""
+    _, t, h, w = latent_shape
+    return (t // WAN_PATCH[0]) * (h // WAN_PATCH[1]) * (w // WAN_PATCH[2])
+
+
+# model.json block -> (its pipeline subfolder, the class a Wan pipeline has there)
+WAN_PARTS = {"text_encoder": ("text_encoder", "UMT5EncoderModel"), "ae": ("vae", "AutoencoderKLWan")}
+
+
+def check_wan_pipeline(model_cfg: dict):
+    """model.json's text encoder and VAE folders hold Wan's classes (not, say, a FLUX pipeline's)."""
+    for name, (sub, wanted) in WAN_PARTS.items():
+        folder = components.block(components.block(model_cfg, name, components.MODEL_FLAG), "from_pretrained", name)
+        config = os.path.join(folder, sub, "config.json")
+        if not os.path.isfile(config):
+            raise ValueError(f"{name}.from_pretrained {folder}: no {sub}/config.json (a diffusers Wan pipeline folder)")
+        with open(config) as f:
+            found = json.load(f)
+        found = (found.get("architectures") or [found.get("_class_name")])[0]
+        if found != wanted:
+            raise ValueError(f"{name}.from_pretrained {folder}: its {sub}/ holds {found}, not Wan's {wanted}: the "
+                             f"{MODEL_ID} predictor needs a Wan pipeline folder (e.g. Wan2.1-T2V-1.3B-Diffusers)")
+
+
+def check_wan_launch(args, model_cfg: dict):
+    """One line for each layout MindSpeed-MM's WanDiT does not run (see the module docstring), and for
+    a text encoder or VAE that is not Wan's."""
+    if args.micro_batch_size != 1:
+        raise ValueError(f"--micro-batch-size {args.micro_batch_size}: MindSpeed-MM's wandit computes one sample per "
+                         "micro-batch correctly (its head's modulation has no sample axis): use --micro-batch-size 1")
+    if args.tensor_model_parallel_size != 1:
+        raise ValueError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: MindSpeed-MM's wandit does "
+                         "not shard under tensor parallelism (its q / k RMSNorm spans the whole hidden size): use "
+                         "--context-parallel-size (Ulysses) and data parallelism")
+    frames, height, width = video_size(model_cfg)
+    channels = model_cfg["predictor"].get("in_dim", 16)
+    tokens = video_tokens(video_latent_shape(frames, height, width, channels))
+    if tokens % args.context_parallel_size:
+        raise ValueError(f"--context-parallel-size {args.context_parallel_size} does not divide the {tokens} video "
+                         f"tokens of {frames} frames at {height}x{width} (Ulysses splits the sequence evenly)")
+    check_wan_pipeline(model_cfg)
+
+
+@dataclasses.dataclass(frozen=True)
+class WanDenoiser(Denoiser):
+    """MindSpeed-MM's WanDiT on video latents [C, T, h, w], text as umT5 features [L, D]."""
+    latent_shape: Tuple[int, int, int, int]
+
+    per_sample_keys = ("prompt",)
+    shared_keys = ()
+
+    def conditioning(self, text, rows, device) -> Dict:
+        embeds = text if rows is None else text[rows.to(text.device)]
+        return {"prompt": embeds.to(device)}
+
+    def velocity_fn(self, chunks, cond, micro_batch_size):
+        if len(chunks) != 1:
+            raise ValueError("wandit runs one model chunk per rank (no virtual pipeline stages)")
+        model, prompt = chunks[0], cond["prompt"]
+
+        def velocity(x, sigma):  # one sample per call, whatever the micro-batch (see the module docstring)
+            return torch.cat([self.forward(model, {"hidden_states": x[i:i + 1], "prompt": prompt[i:i + 1],
+                                                   "timestep": sigma[i:i + 1]})
+                              for i in range(x.shape[0])]).to(x.dtype)
+
+        return velocity
+
+    def forward(self, model, batch):
+        v = model(batch["hidden_states"], batch["timestep"] * TIMESTEP_SCALE, batch["prompt"])[0]
+        # Every CP rank holds the whole velocity (the DiT gathers it, scaling its gradient by CP on the way
+        # back) and Megatron scales the loss by CP again; MindSpeed-MM's loss divides by CP, so this does.
+        return scale_grad(v, 1 / parallel_state.get_context_parallel_world_size())
+
+
+def wan_parts(model_cfg, settings, policy, device, dtype):
+    """(conditioner, decoder, denoiser) of a Wan run: umT5 and Wan's VAE from the `text_encoder` and
+    `ae` blocks' diffusers Wan pipeline folder, and the denoiser over model.json's video size."""
+    text = components.block(model_cfg, "text_encoder", components.MODEL_FLAG)
+    encoder = UMT5Conditioner(components.block(text, "from_pretrained", "text_encoder"), device=device, dtype=dtype,
+                              max_sequence_length=text.get("max_sequence_length", DEFAULT_TEXT_LEN))
+    ae = components.block(model_cfg, "ae", components.MODEL_FLAG)
+    vae = WanVaeDecoder(components.block(ae, "from_pretrained", "ae"), device=device, dtype=dtype)
+    frames, height, width = video_size(model_cfg)
+    shape = video_latent_shape(frames, height, width, model_cfg["predictor"].get("in_dim", 16))
+    return encoder.encode, (lambda latents, height, width: vae(latents)), WanDenoiser(shape)

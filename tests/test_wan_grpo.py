@@ -1,0 +1,188 @@
+"""Wan2.1 text-to-video GRPO on MindSpeed-MM's own `wandit`, in MindSpeed-MM's environment.
+
+- The DiT MindSpeed-MM's `PredictModel` builds, loaded from `mm-convert WanConverter hf_to_mm` (MindSpeed-MM's
+  own converter through mm-convert), gives diffusers' WanTransformer3DModel's velocity on the same weights,
+  one sample at a time; two samples in one call mix (the reason the Wan path runs one per micro-batch).
+- `examples/wan/grpo_wan.sh` as shipped (its tiny CPU run: DP 2) trains what one process trains, and what
+  Ulysses CP 2 trains: the logged losses, rewards and gradient norms and the saved weights, 3 iterations.
+- One line for the layouts the Wan path refuses: TP 2, micro-batch 2, a CP size that does not divide the
+  video tokens, a frame count the VAE cannot take; and a FLUX predictor under a Wan model.json.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mm_grpo.tools.tiny_wan import TINY_WAN_PREDICTOR, build_tiny_wan
+from tests.fixtures import parallel_1proc  # noqa: F401
+from tests.testbed import REPO, TESTBED, require_testbed, subprocess_env
+from tests.utils import rel_err
+
+pytestmark = pytest.mark.mindspeed_mm
+SCRIPT = os.path.join(REPO, "examples", "wan", "grpo_wan.sh")
+TINY_MODEL = os.path.join(REPO, "examples", "wan", "model_tiny.json")
+LAUNCH_TIMEOUT_S = 900
+GBS = 24  # the tiny run's rows per step: G 4 x 2 prompts x K 3, the same for every layout below
+
+
+@pytest.fixture(scope="module")
+def tiny_wan(tmp_path_factory):
+    """(tiny Wan pipeline folder, its transformer converted by `mm-convert WanConverter hf_to_mm`)."""
+    require_testbed(needs_megatron_training=True)
+    root = tmp_path_factory.mktemp("wan")
+    pipeline = build_tiny_wan(root / "tiny_wan")
+    converted = root / "tiny_wan_mm"
+    subprocess.run([sys.executable, "-m", "converters.convert_cli", "WanConverter", "hf_to_mm",
+                    "--cfg.source_path", str(pipeline / "transformer"), "--cfg.target_path", str(converted),
+                    "--cfg.target_parallel_config.tp_size", "1"],
+                   cwd=REPO, env=subprocess_env(), check=True, capture_output=True, text=True)
+    return pipeline, converted
+
+
+def test_tiny_model_json_is_the_tiny_pipelines_transformer():
+    with open(TINY_MODEL) as f:
+        predictor = json.load(f)["predictor"]
+    assert {k: v for k, v in predictor.items() if k != "dtype"} == TINY_WAN_PREDICTOR
+
+
+def _megatron_args(tmp_path):
+    from tests.sora_helpers import set_megatron_args
+    model = {"predictor": dict(TINY_WAN_PREDICTOR, dtype="fp32")}
+    data = {"dataset_param": {"preprocess_parameters": {"max_height": 32, "max_width": 32, "num_frames": 5}}}
+    paths = [str(tmp_path / "model.json"), str(tmp_path / "data.json")]
+    for path, content in zip(paths, (model, data)):
+        with open(path, "w") as f:
+            json.dump(content, f)
+    set_megatron_args(*paths, micro_batch=1)
+
+
+def test_wandit_from_mindspeed_mms_converter_gives_diffusers_velocity(parallel_1proc, tiny_wan, tmp_path):
+    from diffusers import WanTransformer3DModel
+    from mindspeed_mm.configs.config import ConfigReader
+    from mindspeed_mm.models.predictor import PredictModel
+    from mm_grpo.mindspeed_mm.wan import TIMESTEP_SCALE, WanDenoiser
+    pipeline, converted = tiny_wan
+    _megatron_args(tmp_path)
+    model = PredictModel(ConfigReader(dict(TINY_WAN_PREDICTOR, dtype="fp32"))).get_model()
+    state = torch.load(converted / "release" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)["model"]
+    model.load_state_dict(state, strict=False)  # strict=False: the TE-style `_extra_state` entries it adds itself
+    assert set(state) == {k for k in model.state_dict() if not k.endswith("_extra_state")}
+    reference = WanTransformer3DModel.from_pretrained(pipeline / "transformer").eval()
+
+    g = torch.Generator().manual_seed(0)
+    x, prompt = torch.randn(3, 4, 2, 4, 4, generator=g), torch.randn(3, 7, 32, generator=g)
+    sigma = torch.tensor([0.9, 0.5, 0.1])
+    with torch.no_grad():
+        ours = WanDenoiser((4, 2, 4, 4)).velocity_fn([model], {"prompt": prompt}, 3)(x, sigma)
+        theirs = reference(x, sigma * TIMESTEP_SCALE, prompt).sample
+        assert rel_err(ours, theirs) < 1e-5
+        together = model(x[:2], sigma[:2] * TIMESTEP_SCALE, prompt[:2])[0]  # two samples in one call
+    assert rel_err(together, theirs[:2]) > 1e-2
+
+
+def _run(tmp_path, name, **variables):
+    """examples/wan/grpo_wan.sh with `variables` set; returns its run folder."""
+    run_dir = tmp_path / name
+    env = subprocess_env(dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", RUN_DIR=str(run_dir),
+                              MM_GRPO_PYTHON=sys.executable, MINDSPEED_MM_TESTBED=TESTBED,
+                              MM_GRPO_ASCEND=str(tmp_path / "no_ascend"), **variables))
+    env["PYTHONPATH"] = os.pathsep.join([REPO, env["PYTHONPATH"]])
+    proc = subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"grpo_wan.sh {variables} failed (rc={proc.returncode}):\n{log[-6000:]}"
+    return run_dir, log
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """The shipped tiny run (DP 2), one process and CP 2, from the same converted weights."""
+    require_testbed(needs_megatron_training=True)
+    tmp = tmp_path_factory.mktemp("wan_runs")  # each run builds and converts the same seeded tiny pipeline
+    return {"dp2": _run(tmp, "dp2", MASTER_PORT=str(_port())),
+            "single": _run(tmp, "single", NPUS_PER_NODE="1", GBS=str(GBS), MASTER_PORT=str(_port())),
+            "cp2": _run(tmp, "cp2", CP="2", GBS=str(GBS), MASTER_PORT=str(_port()))}
+
+
+def _port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("layout", ["dp2", "cp2"])
+def test_grpo_wan_layouts_train_what_one_process_trains(layouts, layout):
+    from tests.test_mindspeed_grpo import saved_model, scalars
+    single, other = (scalars(layouts[name][0]) for name in ("single", layout))
+    for tag in ("grad-norm", "reward/mean", "adv/abs_max", "loss", "eval/reward_mean"):
+        for step, value in single[tag].items():
+            assert abs(other[tag][step] - value) <= 1e-4 * max(1.0, abs(value)), (tag, step, other[tag][step], value)
+    assert sorted(single["grad-norm"]) == [1, 2, 3] and min(single["grad-norm"].values()) > 0
+    assert sorted(single["eval/reward_mean"]) == [0, 3]
+    a, b = saved_model(layouts["single"][0], 3), saved_model(layouts[layout][0], 3)
+    assert max(rel_err(b[k], v) for k, v in a.items() if torch.is_tensor(v) and v.is_floating_point()) < 1e-4
+
+
+def test_grpo_wan_tiny_run_reports_the_held_out_evaluation(layouts):
+    _, log = layouts["dp2"]
+    assert "held-out evaluation (4 samples, ODE, fixed noise), iteration 0 -> 3: reward_mean" in log
+    assert "successfully saved checkpoint from iteration       3" in log
+
+
+# --- refusals, before Megatron starts (in this process, as each launch's processes check) ---------
+def _launch_argv(tiny_wan, tmp_path, model=None, **flags):
+    """The entry's command line for the tiny Wan run; `model` edits model_tiny.json, `flags` Megatron's."""
+    pipeline, _ = tiny_wan
+    with open(TINY_MODEL) as f:
+        config = json.load(f)
+    config = json.loads(json.dumps(config).replace("$PIPELINE_DIR", str(pipeline)))
+    config.update(model or {})
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle moving right\na blue square moving up\n")
+    data = {"dataset_param": {"prompt_file": str(prompts)}}
+    for name, content in (("model.json", config), ("data.json", data)):
+        (tmp_path / name).write_text(json.dumps(content))
+    values = {"tensor-model-parallel-size": 1, "context-parallel-size": 1, "micro-batch-size": 1, **flags}
+    argv = [f"--{k}={v}" for k, v in values.items()]
+    return argv + ["--pipeline-model-parallel-size", "1", "--context-parallel-algo", "ulysses_cp_algo",
+                   "--num-layers", "2", "--hidden-size", "48", "--num-attention-heads", "2", "--seq-length", "1",
+                   "--max-position-embeddings", "1", "--global-batch-size", str(GBS), "--train-iters", "2",
+                   "--lr", "1e-3", "--distributed-backend", "gloo", "--no-gradient-accumulation-fusion",
+                   "--num-generations", "4", "--num-inference-steps", "6",
+                   "--mm-model", str(tmp_path / "model.json"), "--mm-data", str(tmp_path / "data.json"),
+                   "--mm-tool", os.path.join(TESTBED, "MindSpeed-MM", "mindspeed_mm", "tools", "tools.json")]
+
+
+def test_a_wan_launch_that_passes_the_checks(tiny_wan, tmp_path):
+    from mm_grpo.mindspeed_mm.grpo import check_launch
+    launch = check_launch(_launch_argv(tiny_wan, tmp_path))
+    assert (launch.settings.height, launch.settings.width, launch.settings.global_batch_size) == (32, 32, 8)
+    assert sorted(launch.reward.rewards) == ["frames_jpeg_compressibility", "motion"]
+
+
+@pytest.mark.parametrize("case, world, model, flags, match", [
+    ("tp2", 2, None, {"tensor-model-parallel-size": 2},
+     r"--tensor-model-parallel-size 2: MindSpeed-MM's wandit does not shard under tensor parallelism"),
+    ("micro_batch_2", 1, None, {"micro-batch-size": 2, "global-batch-size": 48},
+     r"--micro-batch-size 2: MindSpeed-MM's wandit computes one sample per micro-batch correctly"),
+    ("cp3", 3, None, {"context-parallel-size": 3},
+     r"--context-parallel-size 3 does not divide the 8 video tokens of 5 frames at 32x32"),
+    ("frames", 1, {"num_frames": 8}, {}, r"num_frames 8: Wan's VAE takes 4k \+ 1 frames"),
+    ("flux_pipeline", 1, "flux", {},
+     r"text_encoder.from_pretrained .*: its text_encoder/ holds CLIPTextModel, not Wan's UMT5EncoderModel"),
+])
+def test_a_wan_launch_is_refused_in_one_line(tiny_wan, tiny_pipeline_dir, tmp_path, monkeypatch, case, world, model,
+                                              flags, match):
+    import re
+    from mm_grpo.mindspeed_mm.grpo import LaunchRefused, check_launch
+    if model == "flux":  # a Wan model.json whose VAE and text encoder are a FLUX pipeline's
+        model = {"ae": {"from_pretrained": str(tiny_pipeline_dir)},
+                 "text_encoder": {"from_pretrained": str(tiny_pipeline_dir), "max_sequence_length": 16}}
+    monkeypatch.setenv("WORLD_SIZE", str(world))  # what torchrun sets, and Megatron's parser reads
+    with pytest.raises(LaunchRefused) as refused:
+        check_launch(_launch_argv(tiny_wan, tmp_path, model, **flags))
+    message = str(refused.value)
+    assert re.search(match, message) and "\n" not in message, message
