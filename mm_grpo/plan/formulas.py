@@ -24,6 +24,7 @@ from typing import Dict, List, Optional
 
 from mm_grpo.encoders.latents import num_image_tokens
 from mm_grpo.models.flux.config import FluxConfig
+from mm_grpo.plan.devices import GB
 from mm_grpo.settings import setting
 
 TIME_CHANNELS = 256  # sinusoid width of the timestep / guidance embedders (models/flux/embeddings.py)
@@ -31,28 +32,27 @@ ADAM_STATES = 2  # exp_avg, exp_avg_sq
 
 
 @dataclasses.dataclass(frozen=True)
-class Job:
-    """One GRPO iteration's shape; its fields with a help text are `mm-grpo plan`'s flags."""
-    height: int = setting(1024, "image height", minimum=1)
-    width: Optional[int] = setting(None, "image width (default: --height)")
-    text_tokens: int = setting(512, "T5 max_sequence_length", minimum=1)
-    num_generations: int = setting(12, "G: images per prompt", minimum=2)
+class GRPOJob:
+    """One GRPO iteration's shape, what FLUX's (`Job`) and Wan2.1's (`wan.VideoJob`) have alike: the
+    group, the denoising and trained steps, the trainer's options; each adds its sample's size. Its
+    fields with a help text are `mm-grpo plan`'s flags (--lora-rank: plan/flags.py, one or several)."""
+    text_tokens: int = setting(512, "text tokens (FLUX: T5 max_sequence_length; Wan pads every prompt to "
+                                    "umT5's text_len 512)", minimum=1)
+    num_generations: int = setting(12, "G: images / videos per prompt", minimum=2)
     prompts_per_iteration: int = 1  # prompts per iteration, all data-parallel ranks together
     num_inference_steps: int = setting(16, "N: denoising steps", minimum=2)
-    timestep_fraction: float = setting(0.6, "trained-step fraction")
-    micro_batch_size: int = setting(1, "samples per forward/backward", minimum=1)
-    lora_rank: int = setting(0, "0: full fine-tuning", minimum=0)
+    timestep_fraction: float = setting(0.6, "trained-step fraction (of the N - 1 steps: the last is dropped)")
+    micro_batch_size: int = setting(1, "samples per forward/backward (Wan's WanDiT: 1)", minimum=1)
+    lora_rank: int = 0  # 0: full fine-tuning
     recompute: bool = setting(True, "activation recompute, one block at a time")
-    distributed_optimizer: bool = setting(True, "optimizer state sharded over the data-parallel ranks")
-    bf16: bool = setting(True, "bf16 compute (autocast)")
-    param_dtype: str = setting("fp32", "fp32: mm-grpo's trainer (fp32 parameters, bf16 autocast); bf16: Megatron's "
-                                       "bf16 parameters with fp32 master weights", choices=("fp32", "bf16"))
-    kl_reference: bool = setting(False, "--kl-beta > 0: a frozen reference copy")
-    text_cache: bool = setting(True, "precomputed text embeddings (else T5-XXL + CLIP-L on every rank)")
-
-    def __post_init__(self):
-        if self.width is None:
-            object.__setattr__(self, "width", self.height)
+    distributed_optimizer: bool = setting(True, "optimizer state (Adam moments, fp32 master weights) sharded "
+                                                "over the data-parallel ranks")
+    param_dtype: str = setting("fp32", "fp32: fp32 parameters (mm-grpo's FLUX trainer, bf16 autocast); bf16: "
+                                       "Megatron's --bf16 (bf16 parameters, fp32 master weights and main "
+                                       "gradients)", choices=("fp32", "bf16"))
+    kl_reference: bool = setting(False, "--kl-beta > 0: a frozen reference copy (none with LoRA)")
+    text_cache: bool = setting(True, "precomputed text embeddings (else the text encoders on every rank: "
+                                     "T5-XXL + CLIP-L, umT5-XXL)")
 
     @property
     def batch(self) -> int:
@@ -62,6 +62,30 @@ class Job:
     def trained_steps(self) -> int:
         """K: DanceGRPO drops the last step and keeps int((N - 1) * fraction) (grpo/timesteps.py)."""
         return max(1, int((self.num_inference_steps - 1) * self.timestep_fraction))
+
+    def on(self, layout: "Layout", group_per_dp_rank: bool = True) -> "GRPOJob":
+        """The job a layout runs: one prompt group per data-parallel rank when `group_per_dp_rank`
+        (no --prompts-per-iteration), else this one."""
+        return dataclasses.replace(self, prompts_per_iteration=layout.dp) if group_per_dp_rank else self
+
+
+def job_default(name: str, default):
+    """GRPOJob's field `name`, its flag, help and checks, with another default: for a subclass
+    whose recipe differs (a dataclass field is re-declared to change its default)."""
+    field = next(x for x in dataclasses.fields(GRPOJob) if x.name == name)
+    return dataclasses.field(default=default, metadata=field.metadata)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job(GRPOJob):
+    """FLUX text-to-image: GRPOJob and the image's size and compute dtype."""
+    height: int = setting(1024, "image height", minimum=1)
+    width: Optional[int] = setting(None, "image width (default: --height)")
+    bf16: bool = setting(True, "bf16 compute (autocast)")
+
+    def __post_init__(self):
+        if self.width is None:
+            object.__setattr__(self, "width", self.height)
 
     @property
     def image_tokens(self) -> int:
@@ -379,6 +403,24 @@ class LayoutMemory:
         return self.worst.peak_bytes
 
 
+def phase_memory(static: Dict[str, float], **working: float) -> RankMemory:
+    """A rank's memory from the terms it holds throughout (`static`: weights, gradients, optimizer
+    states, frozen parts) and its working sets (`working`, by name as stage_memory gives them): each
+    phase's peak is the held terms and the working sets alive in it (FLUX's and Wan's alike)."""
+    terms = dict(static, **working)
+    held = sum(static.values())
+    phases = {
+        # Sampling: buffers of the whole rollout plus one micro-batch's no-grad forward.
+        "rollout": held + terms["rollout_buffers"] + terms["rollout_forward"],
+        # Decode + reward: the rollout's buffers are still alive (x0 is decoded).
+        "decode": held + terms["rollout_buffers"] + terms["vae_decode"],
+        # Training: the update's rows, the in-flight activations and one block's backward.
+        "train": held + terms["rollout_buffers"] + terms["training_rows"] + terms["activations"]
+        + terms["recompute_block"] + terms["backward_working"],
+    }
+    return RankMemory(terms, phases)
+
+
 def stage_memory(config, comps, job, layout, stage) -> RankMemory:
     base, lora = stage_params(config, layout.tp, layout.pp, stage, job.lora_rank)
     static = {
@@ -391,26 +433,15 @@ def stage_memory(config, comps, job, layout, stage) -> RankMemory:
         "text_encoders": text_encoder_bytes(comps, job),
     }
     act = activation_bytes_per_microbatch(config, job, layout, stage)
-    terms = dict(static,
-                 activations_per_microbatch=act,
-                 activations=act * in_flight_microbatches(job, layout, stage),
-                 recompute_block=recompute_bytes(config, job, layout, stage),
-                 backward_working=backward_working_bytes(config, job, layout),
-                 training_rows=training_rows_bytes(config, job, layout),
-                 rollout_buffers=rollout_buffer_bytes(config, job, layout),
-                 rollout_forward=rollout_forward_working_bytes(config, job, layout),
-                 vae_decode=vae_decode_bytes(comps, job, layout))
-    held = sum(static.values())
-    phases = {
-        # Sampling: buffers of the whole rollout plus one micro-batch's no-grad forward.
-        "rollout": held + terms["rollout_buffers"] + terms["rollout_forward"],
-        # Decode + reward: the rollout's buffers are still alive (x0 is decoded).
-        "decode": held + terms["rollout_buffers"] + terms["vae_decode"],
-        # Training: the update's rows, the in-flight activations and one block's backward.
-        "train": held + terms["rollout_buffers"] + terms["training_rows"] + terms["activations"]
-        + terms["recompute_block"] + terms["backward_working"],
-    }
-    return RankMemory(terms, phases)
+    return phase_memory(static,
+                        activations_per_microbatch=act,
+                        activations=act * in_flight_microbatches(job, layout, stage),
+                        recompute_block=recompute_bytes(config, job, layout, stage),
+                        backward_working=backward_working_bytes(config, job, layout),
+                        training_rows=training_rows_bytes(config, job, layout),
+                        rollout_buffers=rollout_buffer_bytes(config, job, layout),
+                        rollout_forward=rollout_forward_working_bytes(config, job, layout),
+                        vae_decode=vae_decode_bytes(comps, job, layout))
 
 
 def rank_memory(config: FluxConfig, comps, job: Job, layout: Layout) -> LayoutMemory:
@@ -463,6 +494,14 @@ class IterationTime:
     @property
     def seconds(self) -> float:
         return sum(self.parts.values())
+
+
+COMPUTE_PARTS = ("rollout", "train", "decode_reward", "text_encode")  # the rest of IterationTime.parts: comm
+
+
+def comm_seconds(parts: Dict[str, float]) -> float:
+    """The communication of an iteration (`IterationTime.parts`): every part but the compute ones."""
+    return sum(v for k, v in parts.items() if k not in COMPUTE_PARTS)
 
 
 def _bw(device, span: int):
@@ -530,3 +569,28 @@ def layouts(config: FluxConfig, devices: int):
                     continue
                 out.append(Layout(tp=tp, pp=pp, sp=sp, dp=devices // (tp * sp * pp)))
     return out
+
+
+# --- a layout's row of `mm-grpo plan` (FLUX's and Wan's) -----------------------------------------
+def measured_row(row: dict, memory: LayoutMemory, time: IterationTime, device, per_sample: str) -> dict:
+    """`row` (a layout's, with its `batch`) given its worst rank's memory and the iteration's seconds:
+    the peak and its phase, the terms, the seconds in all, per sample (the key `per_sample`) and by
+    part; whether the peak fits `device`, and if not, why: the three largest terms."""
+    worst = memory.worst
+    row.update(peak_bytes_per_rank=int(worst.peak_bytes), peak_phase=worst.peak_phase,
+               terms_bytes={k: int(v) for k, v in worst.terms.items()},
+               seconds_per_iteration=time.seconds, **{per_sample: time.seconds / row["batch"]},
+               seconds=dict(time.parts))
+    row["fits"] = worst.peak_bytes <= device.memory_bytes
+    if not row["fits"]:
+        big = sorted(((v, k) for k, v in worst.terms.items() if k != "activations_per_microbatch"),
+                     reverse=True)[:3]
+        row["reason"] = (f"{worst.peak_bytes / GB:.1f} GB > {device.memory_bytes / GB:.0f} GB in "
+                         f"{worst.peak_phase}; largest: " + ", ".join(f"{k} {v / GB:.1f}" for v, k in big))
+    return row
+
+
+def ranked(rows: List[dict], per_sample: str) -> List[dict]:
+    """The fitting rows by seconds per sample (the key `per_sample`), then the others by memory."""
+    return sorted(rows, key=lambda r: (not r["fits"], r[per_sample] if r["fits"] else
+                                       (r["peak_bytes_per_rank"] or float("inf"))))

@@ -1,5 +1,5 @@
-"""The frozen parts of a GRPO run on each rank besides the FLUX transformer: VAE, text encoders (or the
-text-embedding cache), reward model. Sizes are public parameter counts or read from a
+"""The frozen parts of a GRPO run on each rank besides the transformer (FLUX or Wan2.1): VAE, text
+encoders (or the text-embedding cache), reward model. Sizes are public parameter counts or read from a
 diffusers pipeline folder; the VAE decode working set is a measured constant per VAE.
 """
 import dataclasses
@@ -17,6 +17,25 @@ REWARD_PARAMS = {  # open_clip / transformers CLIP models the rewards load (whol
     "aesthetic": 427_616_513 + 927_969,  # CLIP ViT-L-14 + the LAION aesthetic MLP (768-1024-128-64-16-1)
     "jpeg_compressibility": 0, "jpeg_incompressibility": 0, "compositional": 0,
 }
+# Wan2.1 (text-to-video): its VAE and its text encoder, counts of diffusers' AutoencoderKLWan at its
+# default (= Wan2.1's) config and of transformers' UMT5EncoderModel at Wan2.1's text_encoder config
+# (umT5-XXL: d_model 4096, d_ff 10240, 24 layers, 64 heads, vocabulary 256384), both built on the meta device.
+WAN_VAE_PARAMS = 126_892_531
+UMT5_XXL_ENCODER_PARAMS = 5_680_910_336
+# Wan's VAE decodes a video one latent frame (4 output frames, the first alone) at a time, with a
+# cache of the last frames of every causal convolution. Largest live set of a no-grad decode, in
+# values per output pixel (of one frame), plus 3 values per output pixel per frame (the decoded
+# video): 4900, measured with the live-tensor meter on diffusers' AutoencoderKLWan (random weights,
+# fp32, CPU) at 64 and 128 px for 5 to 25 frames (tests/test_plan_wan.py measures it again).
+WAN_VAE_DECODE_VALUES_PER_PIXEL = 4900.0
+WAN_VAE_DECODE_VALUES_PER_PIXEL_FRAME = 3.0
+# Convolution FLOPs of that decode per output pixel: the first frame 10.75M, every later frame
+# 8.445M (counted by torch's FlopCounterMode on the same model; the decoder's middle attention, one
+# head over the h x w latent of each latent frame at 384 channels, is added by hand: 4 (hw)^2 x 384).
+WAN_VAE_DECODE_FLOPS_FIRST_FRAME = 10.748e6
+WAN_VAE_DECODE_FLOPS_PER_FRAME = 8.445e6
+WAN_VAE_MIDDLE_CHANNELS = 384
+
 # Largest live set of one image's no-grad VAE decode, in values per output pixel (bytes = values
 # x element size), measured with the live-tensor meter (`python bench/plan_validate.py --probe-vae`).
 # FLUX.1's VAE: 768 = 3 x 256 channels at full resolution (the last up block's input, its first
@@ -49,6 +68,15 @@ def flux_components(reward: str = "hps", text_cache: bool = True) -> Components:
         raise ValueError(f"unknown reward {reward!r}; choose one of {', '.join(REWARD_PARAMS)}")
     return Components(FLUX_VAE_PARAMS, VAE_DECODE_VALUES_PER_PIXEL[((128, 256, 512, 512), 2)],
                       0 if text_cache else T5_XXL_ENCODER_PARAMS + CLIP_L_TEXT_PARAMS, REWARD_PARAMS[reward])
+
+
+def wan_components(reward: str = "hps", text_cache: bool = True) -> Components:
+    """Wan2.1 text-to-video: its VAE, umT5-XXL unless the embeddings are cached, and the reward
+    (an image reward scores a frame of the video, as DanceGRPO's Wan recipe scores the first)."""
+    if reward not in REWARD_PARAMS:
+        raise ValueError(f"unknown reward {reward!r}; choose one of {', '.join(REWARD_PARAMS)}")
+    return Components(WAN_VAE_PARAMS, WAN_VAE_DECODE_VALUES_PER_PIXEL, 0 if text_cache else UMT5_XXL_ENCODER_PARAMS,
+                      REWARD_PARAMS[reward])
 
 
 def _safetensors_params(folder: str) -> int:
