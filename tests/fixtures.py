@@ -9,3 +9,12 @@ def parallel_1proc():
     initialize_parallel()
     yield
     destroy_parallel()
+
+
+@pytest.fixture
+def peft_without_mindspeed_te_dummies(monkeypatch):
+    """In MindSpeed-MM's environment MindSpeed's Transformer Engine shim defines dummy
+    `transformer_engine.pytorch` classes (torch.nn.Module itself, no LayerNormMLP): peft would take
+    every linear for a TE one and fail. Tests whose reference side is plain diffusers + peft use this."""
+    from peft.tuners.lora import te
+    monkeypatch.setattr(te, "is_te_pytorch_available", lambda: False)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from converters.convert_cli import main
 from mm_grpo.models.flux import FluxConfig, lora
 from mm_grpo.models.flux.lora_hf import LORA_FILE, read_diffusers_lora
-from tests.fixtures import parallel_1proc  # noqa: F401
+from tests.fixtures import parallel_1proc, peft_without_mindspeed_te_dummies  # noqa: F401
 from tests.grpo_helpers import SMOOTH_REWARD, grpo_argv, run_grpo, write_configs
 from tests.utils import assert_one_line_error, make_inputs, reference_output, rel_err
 
@@ -21,13 +21,7 @@ TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_in",
 LORA = ["--lora-target-modules", *TARGETS, "--lora-r", "4", "--lora-alpha", "8"]
 
 
-@pytest.fixture(autouse=True)
-def peft_without_mindspeed_te_dummies(monkeypatch):
-    """In MindSpeed-MM's environment MindSpeed's Transformer Engine shim defines dummy
-    `transformer_engine.pytorch` classes (torch.nn.Module itself, no LayerNormMLP): peft would take
-    every linear for a TE one and fail. The reference side of these tests is plain diffusers + peft."""
-    from peft.tuners.lora import te
-    monkeypatch.setattr(te, "is_te_pytorch_available", lambda: False)
+pytestmark = pytest.mark.usefixtures("peft_without_mindspeed_te_dummies")  # the reference side: diffusers + peft
 
 
 def cli(verb, **options):

@@ -13,6 +13,7 @@ import torch
 from mm_grpo.plan import formulas as f
 from mm_grpo.plan import frozen_parts, wan
 from mm_grpo.plan.cli import main
+from tests.fixtures import peft_without_mindspeed_te_dummies  # noqa: F401
 from mm_grpo.plan.devices import device
 
 GB = 10 ** 9
@@ -30,7 +31,7 @@ def _diffusers_model(config: wan.WanConfig):
 
 
 @pytest.mark.parametrize("name", sorted(wan.PRESETS))
-def test_parameter_count_matches_diffusers_model(name):
+def test_parameter_count_matches_diffusers_model(name, peft_without_mindspeed_te_dummies):
     """The hand count equals diffusers' WanTransformer3DModel built on the meta device at the preset's
     config; and the LoRA count equals peft's adapters on MindSpeed-MM's targets (proj_q/k/v/out of
     both attentions, ffn.0, ffn.2 = diffusers' to_q/k/v, to_out.0, ffn.net.0.proj, ffn.net.2)."""
