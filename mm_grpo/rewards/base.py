@@ -102,8 +102,12 @@ class Reward:
     def check_prompts(self, prompts):
         """Raise ValueError for a prompt this reward cannot score (checked before training)."""
 
-    def __call__(self, images, prompts):
+    def check_inputs(self, images, prompts):
+        """One-line ValueError unless `images` is a float [B, 3, H, W] batch with one prompt per image."""
         _check_inputs(images, prompts)
+
+    def __call__(self, images, prompts):
+        self.check_inputs(images, prompts)
         # no_grad rather than inference_mode: inference tensors would break a trainer
         # that later multiplies advantages built from these values into its loss.
         with torch.no_grad():

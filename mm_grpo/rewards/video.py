@@ -44,19 +44,13 @@ def check_videos(videos, prompts, who: str = "video reward"):
 
 
 class VideoReward(Reward):
-    """Base class of video rewards: input checks, no_grad, device moves; subclasses implement `score`
-    on videos [B, F, 3, H, W]. A video with a non-finite value scores NaN, as an image does."""
+    """Base class of video rewards: `Reward`'s no_grad, device moves and NaN for a non-finite input,
+    on videos [B, F, 3, H, W]; subclasses implement `score` on them."""
 
     video = True
 
-    def __call__(self, videos, prompts):
+    def check_inputs(self, videos, prompts):
         check_videos(videos, prompts, f"reward {self.name!r}")
-        with torch.no_grad():
-            on_device = videos.to(self.device)
-            values = self.score(on_device, list(prompts)).float().to(self.device)
-            bad = ~torch.isfinite(on_device).flatten(1).all(1)
-            values = torch.where(bad, torch.full_like(values, float("nan")), values)
-        return values.to(videos.device)
 
 
 # --- frame-averaged image rewards ----------------------------------------------------------
