@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from mm_grpo.data.motion import (DIRECTIONS, MotionSpec, enumerate_prompts, parse_prompt, render_motion, render_video,
+from mm_grpo.data.motion import (DIRECTIONS, MotionSpec, enumerate_prompts, render_motion, render_video,
                                  sample_motion, split_prompts, write_prompt_split)
 from mm_grpo.data.prompts import read_prompts
 from mm_grpo.data.shapes import BACKGROUNDS, COLORS
@@ -32,7 +32,7 @@ def test_motion_grammar_round_trip_and_errors():
     specs = enumerate_prompts()
     assert len(specs) == len({s.caption() for s in specs}) == 5 * 3 * 4
     assert all(MotionSpec.parse(s.caption()) == s for s in specs)
-    assert parse_prompt("  A Red   circle moving RIGHT ") == ("red", "circle", "right")
+    assert MotionSpec.parse("  A Red   circle moving RIGHT ") == MotionSpec("red", "circle", "right")
     assert MotionSpec.parse("a blue triangle moving up on a black background") == \
         MotionSpec("blue", "triangle", "up", "black")
     for bad in ("a red circle", "a red circle moving sideways", "a purple circle moving left",

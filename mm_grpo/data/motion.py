@@ -14,15 +14,14 @@ the motion reward (`mm_grpo.rewards.video`) and for pretraining a tiny video mod
 """
 import argparse
 import dataclasses
-import os
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from mm_grpo.data.prompts import write_prompt_files
 from mm_grpo.data.shapes import BACKGROUNDS, COLORS, SHAPES, PlacedObject, Scene, render
-from mm_grpo.files.atomic import atomic_write_text
 
 # direction -> unit vector (dx, dy) in image coordinates (y grows downwards)
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
@@ -59,12 +58,6 @@ _PROMPT = re.compile(rf"an? (?P<color>{'|'.join(COLORS)}) (?P<shape>{'|'.join(SH
                      rf"background)?")
 
 
-def parse_prompt(prompt: str) -> Tuple[str, str, str]:
-    """prompt -> (colour, shape, direction)."""
-    spec = MotionSpec.parse(prompt)
-    return spec.color, spec.shape, spec.direction
-
-
 def enumerate_prompts(colors: Sequence[str] = tuple(COLORS), shapes: Sequence[str] = SHAPES,
                       directions: Sequence[str] = tuple(DIRECTIONS)) -> List[MotionSpec]:
     """Every prompt of the grammar (without backgrounds): 5 colours x 3 shapes x 4 directions = 60."""
@@ -92,13 +85,7 @@ def split_prompts(num_prompts: int, seed: int = 0, held_out: float = 0.2) -> Dic
 def write_prompt_split(out_dir: str, num_prompts: int, seed: int = 0, held_out: float = 0.2) -> Dict[str, str]:
     """Write `split_prompts` as `out_dir`/train.txt and `out_dir`/held_out.txt (one prompt per line,
     `mm_grpo.data.prompts.read_prompts`'s format); returns {split: path}."""
-    split = split_prompts(num_prompts, seed, held_out)
-    os.makedirs(out_dir, exist_ok=True)
-    paths = {}
-    for name, prompts in split.items():
-        paths[name] = os.path.join(out_dir, f"{name}.txt")
-        atomic_write_text(paths[name], "".join(p + "\n" for p in prompts))
-    return paths
+    return write_prompt_files(out_dir, split_prompts(num_prompts, seed, held_out))
 
 
 # --- videos ------------------------------------------------------------------------------

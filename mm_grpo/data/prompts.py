@@ -1,10 +1,11 @@
 """Prompts from a file, in a reproducible, resumable order shared by all ranks."""
 import json
 import os
-from typing import List
+from typing import Dict, List
 
 import torch
 
+from mm_grpo.files.atomic import atomic_write_text
 from mm_grpo.seeding import DEFAULT_SEED
 
 
@@ -35,6 +36,16 @@ def read_prompts(path: str) -> List[str]:
     if not prompts:
         raise ValueError(f"prompt file is empty: {path}")
     return prompts
+
+
+def write_prompt_files(out_dir: str, split: Dict[str, List[str]]) -> Dict[str, str]:
+    """Each list of `split` as `out_dir`/<name>.txt, one prompt per line (`read_prompts`' format),
+    written atomically; returns {name: path}."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {name: os.path.join(out_dir, f"{name}.txt") for name in split}
+    for name, prompts in split.items():
+        atomic_write_text(paths[name], "".join(p + "\n" for p in prompts))
+    return paths
 
 
 class PromptStream:

@@ -23,7 +23,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from mm_grpo.files.atomic import atomic_dir, atomic_write_text
+from mm_grpo.data.prompts import write_prompt_files
+from mm_grpo.files.atomic import atomic_dir
 from mm_grpo.settings import add_setting_args, from_args, setting
 
 # Five hues around the colour wheel and two neutral backgrounds: any two of the seven are at
@@ -356,10 +357,9 @@ def main(argv=None):
             prompts = _read_lines(args.prompts) if args.prompts is not None else None
             print(generate_dataset(args.out, args.num_images, args.seed, config, prompts, _read_lines(args.exclude)))
         else:
-            os.makedirs(args.out, exist_ok=True)
-            for name, captions in split_prompts(config, args.seed, args.held_out, args.held_out_families).items():
-                atomic_write_text(os.path.join(args.out, f"{name}.txt"), "".join(c + "\n" for c in captions))
-                print(f"{name}: {len(captions)} captions")
+            split = split_prompts(config, args.seed, args.held_out, args.held_out_families)
+            for name in write_prompt_files(args.out, split):
+                print(f"{name}: {len(split[name])} captions")
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
 
