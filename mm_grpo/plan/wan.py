@@ -28,11 +28,11 @@ import math
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from mm_grpo.encoders.wan import WAN_VAE_TEMPORAL, video_latent_shape
 from mm_grpo.plan import formulas as f
 from mm_grpo.plan import frozen_parts
 from mm_grpo.settings import setting
 
-VAE_TIME_FACTOR, VAE_SPACE_FACTOR = 4, 8  # Wan's VAE: 4x in time (the first frame alone), 8x8 in space
 TP_REASON = ("Wan2.1 runs with TP 1: its WanDiT's q/k RMSNorm spans the whole hidden size, so it does not "
              "shard under TP (MindSpeed-MM's WanConverter has TP disabled)")
 MICRO_BATCH_REASON = "MindSpeed-MM's WanDiT takes a micro-batch of 1 (its head modulation is only right for one sample)"
@@ -139,13 +139,9 @@ class VideoJob(f.GRPOJob):
 def latent_grid(frames: int, height: int, width: int) -> Tuple[int, int, int]:
     """(t, h, w) of a video's latent: (frames - 1) / 4 + 1 frames, height / 8, width / 8 (one line if
     the size does not divide: the VAE's factors and the transformer's 1 x 2 x 2 patch)."""
-    if frames < 1 or (frames - 1) % VAE_TIME_FACTOR:
+    if frames < 1 or (frames - 1) % WAN_VAE_TEMPORAL:  # named as the planner's flag
         raise ValueError(f"--frames {frames} must be 4k + 1 (Wan's VAE: 4x in time after the first frame)")
-    step = 2 * VAE_SPACE_FACTOR
-    if height <= 0 or width <= 0 or height % step or width % step:
-        raise ValueError(f"video size {height}x{width} must be positive multiples of {step} (VAE factor "
-                         f"{VAE_SPACE_FACTOR} x patch 2)")
-    return (frames - 1) // VAE_TIME_FACTOR + 1, height // VAE_SPACE_FACTOR, width // VAE_SPACE_FACTOR
+    return video_latent_shape(frames, height, width)[1:]
 
 
 def token_grid(config: WanConfig, job: VideoJob) -> Tuple[int, int, int]:
