@@ -18,6 +18,7 @@ import torch
 
 from mm_grpo.tools.tiny_wan import TINY_WAN_PREDICTOR, build_tiny_wan
 from tests.fixtures import parallel_1proc  # noqa: F401
+from tests.test_mindspeed_grpo import _child_env, _free_port, saved_model, scalars
 from tests.testbed import REPO, TESTBED, require_testbed, subprocess_env
 from tests.utils import rel_err
 
@@ -86,10 +87,8 @@ def test_wandit_from_mindspeed_mms_converter_gives_diffusers_velocity(parallel_1
 def _run(tmp_path, name, **variables):
     """examples/wan/grpo_wan.sh with `variables` set; returns its run folder."""
     run_dir = tmp_path / name
-    env = subprocess_env(dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", RUN_DIR=str(run_dir),
-                              MM_GRPO_PYTHON=sys.executable, MINDSPEED_MM_TESTBED=TESTBED,
-                              MM_GRPO_ASCEND=str(tmp_path / "no_ascend"), **variables))
-    env["PYTHONPATH"] = os.pathsep.join([REPO, env["PYTHONPATH"]])
+    env = _child_env(RUN_DIR=str(run_dir), MM_GRPO_PYTHON=sys.executable, MINDSPEED_MM_TESTBED=TESTBED,
+                     MM_GRPO_ASCEND=str(tmp_path / "no_ascend"), MASTER_PORT=str(_free_port()), **variables)
     proc = subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"grpo_wan.sh {variables} failed (rc={proc.returncode}):\n{log[-6000:]}"
@@ -101,21 +100,12 @@ def layouts(tmp_path_factory):
     """The shipped tiny run (DP 2), one process and CP 2, from the same converted weights."""
     require_testbed(needs_megatron_training=True)
     tmp = tmp_path_factory.mktemp("wan_runs")  # each run builds and converts the same seeded tiny pipeline
-    return {"dp2": _run(tmp, "dp2", MASTER_PORT=str(_port())),
-            "single": _run(tmp, "single", NPUS_PER_NODE="1", GBS=str(GBS), MASTER_PORT=str(_port())),
-            "cp2": _run(tmp, "cp2", CP="2", GBS=str(GBS), MASTER_PORT=str(_port()))}
-
-
-def _port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
+    return {"dp2": _run(tmp, "dp2"), "single": _run(tmp, "single", NPUS_PER_NODE="1", GBS=str(GBS)),
+            "cp2": _run(tmp, "cp2", CP="2", GBS=str(GBS))}
 
 
 @pytest.mark.parametrize("layout", ["dp2", "cp2"])
 def test_grpo_wan_layouts_train_what_one_process_trains(layouts, layout):
-    from tests.test_mindspeed_grpo import saved_model, scalars
     single, other = (scalars(layouts[name][0]) for name in ("single", layout))
     for tag in ("grad-norm", "reward/mean", "adv/abs_max", "loss", "eval/reward_mean"):
         for step, value in single[tag].items():
