@@ -257,13 +257,7 @@ def build_tiny_components(seed=0):
         pad_token_id=tokenizer.pad_token_id,
         **CLIP_TEXT_CONFIG,
     )
-    t5_config = T5Config(
-        vocab_size=len(tokenizer_2),
-        pad_token_id=tokenizer_2.pad_token_id,
-        eos_token_id=tokenizer_2.eos_token_id,
-        decoder_start_token_id=tokenizer_2.pad_token_id,
-        **T5_CONFIG,
-    )
+    t5_config = T5Config(**t5_token_ids(tokenizer_2), **T5_CONFIG)
     # One seed per weight-bearing component: changing one does not shift the others.
     return dict(
         scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
@@ -276,13 +270,25 @@ def build_tiny_components(seed=0):
     )
 
 
+def t5_token_ids(tokenizer) -> dict:
+    """A T5-family config's vocabulary size and special ids (pad, eos, decoder start) for `tokenizer`."""
+    return dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                decoder_start_token_id=tokenizer.pad_token_id)
+
+
+def write_pipeline(path, make_pipeline) -> Path:
+    """`make_pipeline()` saved as the diffusers folder `path` (which must not exist), atomically; the
+    pipeline is built once the folder is known to be free."""
+    with atomic_dir(path) as tmp:
+        make_pipeline().save_pretrained(tmp, safe_serialization=True)
+    return Path(path)
+
+
 def build_tiny_pipeline(path, seed=0):
     """Write the tiny FLUX pipeline folder to `path` (which must not exist); returns the path."""
     from diffusers import FluxPipeline
 
-    with atomic_dir(path) as tmp:
-        FluxPipeline(**build_tiny_components(seed)).save_pretrained(tmp, safe_serialization=True)
-    return Path(path)
+    return write_pipeline(path, lambda: FluxPipeline(**build_tiny_components(seed)))
 
 
 def main(argv=None):

@@ -8,11 +8,9 @@ mm_grpo.tools.tiny learns for FLUX's T5 (umT5 tokenizes the same way, with a lar
     python -m mm_grpo.tools.tiny_wan --out DIR [--seed 0]
 """
 import argparse
-from pathlib import Path
 
 from mm_grpo.encoders.wan import WAN_PATCH
-from mm_grpo.files.atomic import atomic_dir
-from mm_grpo.tools.tiny import T5_CONFIG, _seeded, build_t5_tokenizer
+from mm_grpo.tools.tiny import T5_CONFIG, _seeded, build_t5_tokenizer, t5_token_ids, write_pipeline
 
 TINY_TEXT_LEN = 16  # max_sequence_length for tiny runs (Wan2.1: 512)
 
@@ -92,13 +90,7 @@ def build_tiny_wan_components(seed=0):
     from transformers import UMT5Config, UMT5EncoderModel
 
     tokenizer = build_t5_tokenizer()
-    umt5_config = UMT5Config(
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        decoder_start_token_id=tokenizer.pad_token_id,
-        **UMT5_CONFIG,
-    )
+    umt5_config = UMT5Config(**t5_token_ids(tokenizer), **UMT5_CONFIG)
     # One seed per weight-bearing component: changing one does not shift the others.
     return dict(
         scheduler=UniPCMultistepScheduler(**SCHEDULER_CONFIG),
@@ -113,9 +105,7 @@ def build_tiny_wan(out, seed=0):
     """Write the tiny Wan pipeline folder to `out` (which must not exist); returns its path."""
     from diffusers import WanPipeline
 
-    with atomic_dir(out) as tmp:
-        WanPipeline(**build_tiny_wan_components(seed)).save_pretrained(tmp, safe_serialization=True)
-    return Path(out)
+    return write_pipeline(out, lambda: WanPipeline(**build_tiny_wan_components(seed)))
 
 
 def main(argv=None):
