@@ -67,7 +67,7 @@ if [ -z "${PIPELINE_DIR:-}" ]; then
   export EVAL_SAMPLES="${EVAL_SAMPLES:-64}" EVAL_SEED="${EVAL_SEED:-1}"  # data_shapes_demo.json reads them
   NPUS_PER_NODE="${NPUS_PER_NODE:-2}"; ITERS="${ITERS:-110}"; GBS="${GBS:-128}"; MBS="${MBS:-32}"
   SEED="${SEED:-1}"  # the README's figures are seeds 1-3; the default run repeats seed 1 exactly
-  G="${G:-8}"; LR="${LR:-1e-4}"; SAMPLER="${SAMPLER:-ode}"; POLICY_LOSS="${POLICY_LOSS:-nft}"; SAME_NOISE="${SAME_NOISE:-0}"
+  G="${G:-8}"; LR="${LR:-2e-4}"; SAMPLER="${SAMPLER:-ode}"; POLICY_LOSS="${POLICY_LOSS:-nft}"; SAME_NOISE="${SAME_NOISE:-0}"
   TIMESTEP_FRACTION="${TIMESTEP_FRACTION:-0.25}"; KL_BETA="${KL_BETA:-0.5}"
   EMA_DECAY="${EMA_DECAY-0.5}"; EMA_DECAY_RAMP="${EMA_DECAY_RAMP:-0.01}"
   EVAL_INTERVAL="${EVAL_INTERVAL:-55}"; IMAGE_INTERVAL="${IMAGE_INTERVAL:-$ITERS}"
