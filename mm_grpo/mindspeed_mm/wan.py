@@ -15,13 +15,14 @@ and model.json's text encoder and VAE must be a Wan pipeline's (umT5, Autoencode
 """
 import dataclasses
 import json
+import math
 import os
 from typing import Dict, Tuple
 
 import torch
 from megatron.core import parallel_state
 
-from mm_grpo.encoders.wan import WAN_PATCH, UMT5Conditioner, WanVaeDecoder, video_latent_shape
+from mm_grpo.encoders.wan import UMT5Conditioner, WanVaeDecoder, video_latent_shape, video_token_grid
 from mm_grpo.mindspeed_mm.predictor import scale_grad
 from mm_grpo.runtime.denoiser import Denoiser
 from mm_grpo.training import components
@@ -43,12 +44,6 @@ def video_size(model_cfg: dict) -> Tuple[int, int, int]:
     frames = int(model_cfg.get("num_frames", DEFAULT_NUM_FRAMES))
     video_latent_shape(frames, height, width)
     return frames, height, width
-
-
-def video_tokens(latent_shape) -> int:
-    """The DiT's sequence length over latents [C, T, h, w]: one token per 1 x 2 x 2 patch."""
-    _, t, h, w = latent_shape
-    return (t // WAN_PATCH[0]) * (h // WAN_PATCH[1]) * (w // WAN_PATCH[2])
 
 
 # model.json block -> (its pipeline subfolder, the class a Wan pipeline has there)
@@ -82,7 +77,7 @@ def check_wan_launch(args, model_cfg: dict):
                          "--context-parallel-size (Ulysses) and data parallelism")
     frames, height, width = video_size(model_cfg)
     channels = model_cfg["predictor"].get("in_dim", 16)
-    tokens = video_tokens(video_latent_shape(frames, height, width, channels))
+    tokens = math.prod(video_token_grid(video_latent_shape(frames, height, width, channels)))
     if tokens % args.context_parallel_size:
         raise ValueError(f"--context-parallel-size {args.context_parallel_size} does not divide the {tokens} video "
                          f"tokens of {frames} frames at {height}x{width} (Ulysses splits the sequence evenly)")

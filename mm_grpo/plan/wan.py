@@ -28,7 +28,7 @@ import math
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from mm_grpo.encoders.wan import WAN_VAE_TEMPORAL, video_latent_shape
+from mm_grpo.encoders.wan import WAN_VAE_TEMPORAL, video_latent_shape, video_token_grid
 from mm_grpo.plan import formulas as f
 from mm_grpo.plan import frozen_parts
 from mm_grpo.settings import setting
@@ -145,11 +145,7 @@ def latent_grid(frames: int, height: int, width: int) -> Tuple[int, int, int]:
 
 
 def token_grid(config: WanConfig, job: VideoJob) -> Tuple[int, int, int]:
-    t, h, w = latent_grid(job.frames, job.height, job.width)
-    pt, ph, pw = config.patch_size
-    if t % pt or h % ph or w % pw:
-        raise ValueError(f"latent {t}x{h}x{w} does not split into patches {pt}x{ph}x{pw}")
-    return t // pt, h // ph, w // pw
+    return video_token_grid((config.in_channels, *latent_grid(job.frames, job.height, job.width)), config.patch_size)
 
 
 def video_tokens(config: WanConfig, job: VideoJob) -> int:
