@@ -26,9 +26,9 @@ def video_latent_shape(num_frames, height, width, channels=16):
     return channels, (num_frames - 1) // WAN_VAE_TEMPORAL + 1, height // WAN_VAE_SPATIAL, width // WAN_VAE_SPATIAL
 
 
-def video_token_grid(latent_shape, patch=WAN_PATCH):
-    """(t, h, w) tokens of the DiT over latents [C, T, h, w]: one per patch (frames, rows, columns)."""
-    _, t, h, w = latent_shape
+def video_token_grid(latent_grid, patch=WAN_PATCH):
+    """(t, h, w) tokens of the DiT over a latent grid (T, h, w): one per patch (frames, rows, columns)."""
+    t, h, w = latent_grid
     pt, ph, pw = patch
     if t % pt or h % ph or w % pw:
         raise ValueError(f"latent {t}x{h}x{w} does not split into patches {pt}x{ph}x{pw}")

@@ -76,8 +76,7 @@ def check_wan_launch(args, model_cfg: dict):
                          "not shard under tensor parallelism (its q / k RMSNorm spans the whole hidden size): use "
                          "--context-parallel-size (Ulysses) and data parallelism")
     frames, height, width = video_size(model_cfg)
-    channels = model_cfg["predictor"].get("in_dim", 16)
-    tokens = math.prod(video_token_grid(video_latent_shape(frames, height, width, channels)))
+    tokens = math.prod(video_token_grid(video_latent_shape(frames, height, width)[1:]))
     if tokens % args.context_parallel_size:
         raise ValueError(f"--context-parallel-size {args.context_parallel_size} does not divide the {tokens} video "
                          f"tokens of {frames} frames at {height}x{width} (Ulysses splits the sequence evenly)")

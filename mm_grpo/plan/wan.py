@@ -145,7 +145,7 @@ def latent_grid(frames: int, height: int, width: int) -> Tuple[int, int, int]:
 
 
 def token_grid(config: WanConfig, job: VideoJob) -> Tuple[int, int, int]:
-    return video_token_grid((config.in_channels, *latent_grid(job.frames, job.height, job.width)), config.patch_size)
+    return video_token_grid(latent_grid(job.frames, job.height, job.width), config.patch_size)
 
 
 def video_tokens(config: WanConfig, job: VideoJob) -> int:
