@@ -51,8 +51,8 @@ def launch(setting_mbs: int, iters: int, run_dir: Path, port: int):
     env.pop("PIPELINE_DIR", None)
     done = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True)
     if done.returncode:
-        sys.exit(f"demo_compute: grpo_flux.sh MBS={setting_mbs} exited {done.returncode}: "
-                 f"{done.stderr.strip().splitlines()[-1:] or done.stdout.strip().splitlines()[-1:]}")
+        last = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:]
+        sys.exit(f"demo_compute: grpo_flux.sh MBS={setting_mbs} exited {done.returncode}: {''.join(last)}")
     seconds = iteration_seconds(run_dir / "train.log")
     if len(seconds) != iters:
         sys.exit(f"demo_compute: {run_dir / 'train.log'} logged {len(seconds)} of {iters} iterations")
