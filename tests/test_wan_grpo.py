@@ -46,7 +46,23 @@ def tiny_wan(tmp_path_factory):
 def test_tiny_model_json_is_the_tiny_pipelines_transformer():
     with open(TINY_MODEL) as f:
         predictor = json.load(f)["predictor"]
-    assert {k: v for k, v in predictor.items() if k != "dtype"} == TINY_WAN_PREDICTOR
+    assert {k: v for k, v in predictor.items() if k not in ("dtype", "pipeline_num_layers")} == TINY_WAN_PREDICTOR
+    assert sum(predictor["pipeline_num_layers"]) == predictor["num_layers"]  # its PP 2 split
+
+
+# MindSpeed-MM's own Wan2.1 text-to-video configs, which the shipped model.json files' predictor blocks repeat
+MINDSPEED_MM_WAN_CONFIGS = {"model.json": "1.3b", "model_14b.json": "14b"}
+FPDT_KEYS = ("FPDT", "FPDT_chunk_number", "FPDT_with_offload")  # its long-sequence attention, off (wandit's default)
+
+
+@pytest.mark.parametrize("ours, size", sorted(MINDSPEED_MM_WAN_CONFIGS.items()))
+def test_shipped_model_json_is_mindspeed_mms_wan_config(ours, size):
+    with open(os.path.join(REPO, "examples", "wan", ours)) as f:
+        predictor = json.load(f)["predictor"]
+    with open(os.path.join(TESTBED, "MindSpeed-MM", "examples", "wan2.1", size, "t2v", "pretrain_model.json")) as f:
+        theirs = json.load(f)["predictor"]
+    assert not theirs.get("FPDT", False)
+    assert predictor == {k: v for k, v in theirs.items() if k not in FPDT_KEYS}
 
 
 def _megatron_args(tmp_path):
@@ -97,14 +113,33 @@ def _run(tmp_path, name, **variables):
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
-    """The shipped tiny run (DP 2), one process and CP 2, from the same converted weights."""
+    """The shipped tiny run (DP 2), one process, CP 2 and PP 2 (model_tiny.json's pipeline_num_layers),
+    from the same weights (each run builds and converts the same seeded tiny pipeline, PP 2 split)."""
     require_testbed(needs_megatron_training=True)
-    tmp = tmp_path_factory.mktemp("wan_runs")  # each run builds and converts the same seeded tiny pipeline
+    tmp = tmp_path_factory.mktemp("wan_runs")
     return {"dp2": _run(tmp, "dp2"), "single": _run(tmp, "single", NPUS_PER_NODE="1", GBS=str(GBS)),
-            "cp2": _run(tmp, "cp2", CP="2", GBS=str(GBS))}
+            "cp2": _run(tmp, "cp2", CP="2", GBS=str(GBS)), "pp2": _run(tmp, "pp2", PP="2", GBS=str(GBS))}
 
 
-@pytest.mark.parametrize("layout", ["dp2", "cp2"])
+def saved_pipeline(run_dir, iteration):
+    """The whole model of a checkpoint's pipeline stages (mp_rank_00_000, _001, ...): each stage's
+    blocks renumbered from its first global block, model_tiny.json's pipeline_num_layers."""
+    with open(TINY_MODEL) as f:
+        stages = json.load(f)["predictor"]["pipeline_num_layers"]
+    model, first = {}, 0
+    for stage, count in enumerate(stages):
+        path = os.path.join(run_dir, "ckpt", f"iter_{iteration:07d}", f"mp_rank_00_{stage:03d}", "model_optim_rng.pt")
+        for name, value in torch.load(path, map_location="cpu", weights_only=False)["model"].items():
+            if name.startswith("blocks."):
+                _, block, rest = name.split(".", 2)
+                name = f"blocks.{first + int(block)}.{rest}"
+            assert name not in model, name
+            model[name] = value
+        first += count
+    return model
+
+
+@pytest.mark.parametrize("layout", ["dp2", "cp2", "pp2"])
 def test_grpo_wan_layouts_train_what_one_process_trains(layouts, layout):
     single, other = (scalars(layouts[name][0]) for name in ("single", layout))
     for tag in ("grad-norm", "reward/mean", "adv/abs_max", "loss", "eval/reward_mean"):
@@ -112,7 +147,9 @@ def test_grpo_wan_layouts_train_what_one_process_trains(layouts, layout):
             assert abs(other[tag][step] - value) <= 1e-4 * max(1.0, abs(value)), (tag, step, other[tag][step], value)
     assert sorted(single["grad-norm"]) == [1, 2, 3] and min(single["grad-norm"].values()) > 0
     assert sorted(single["eval/reward_mean"]) == [0, 3]
-    a, b = saved_model(layouts["single"][0], 3), saved_model(layouts[layout][0], 3)
+    a = saved_model(layouts["single"][0], 3)
+    b = (saved_pipeline if layout == "pp2" else saved_model)(layouts[layout][0], 3)
+    assert set(a) == set(b)
     assert max(rel_err(b[k], v) for k, v in a.items() if torch.is_tensor(v) and v.is_floating_point()) < 1e-4
 
 
@@ -129,15 +166,17 @@ def _launch_argv(tiny_wan, tmp_path, model=None, **flags):
     with open(TINY_MODEL) as f:
         config = json.load(f)
     config = json.loads(json.dumps(config).replace("$PIPELINE_DIR", str(pipeline)))
-    config.update(model or {})
+    for key, value in (model or {}).items():  # the predictor block's entries one by one
+        config[key] = dict(config[key], **value) if key == "predictor" else value
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red circle moving right\na blue square moving up\n")
     data = {"dataset_param": {"prompt_file": str(prompts)}}
     for name, content in (("model.json", config), ("data.json", data)):
         (tmp_path / name).write_text(json.dumps(content))
-    values = {"tensor-model-parallel-size": 1, "context-parallel-size": 1, "micro-batch-size": 1, **flags}
-    argv = [f"--{k}={v}" for k, v in values.items()]
-    return argv + ["--pipeline-model-parallel-size", "1", "--context-parallel-algo", "ulysses_cp_algo",
+    values = {"tensor-model-parallel-size": 1, "context-parallel-size": 1, "pipeline-model-parallel-size": 1,
+              "micro-batch-size": 1, **flags}
+    argv = [f"--{k}" if v is True else f"--{k}={v}" for k, v in values.items()]  # True: a switch
+    return argv + ["--context-parallel-algo", "ulysses_cp_algo",
                    "--num-layers", "2", "--hidden-size", "48", "--num-attention-heads", "2", "--seq-length", "1",
                    "--max-position-embeddings", "1", "--global-batch-size", str(GBS), "--train-iters", "2",
                    "--lr", "1e-3", "--distributed-backend", "gloo", "--no-gradient-accumulation-fusion",
@@ -153,6 +192,19 @@ def test_a_wan_launch_that_passes_the_checks(tiny_wan, tmp_path):
     assert sorted(launch.reward.rewards) == ["frames_jpeg_compressibility", "motion"]
 
 
+def test_wan_14b_at_pp4_cp4_passes_the_checks(tiny_wan, tmp_path, monkeypatch):
+    """model_14b.json as MindSpeed-MM runs Wan2.1-14B (4 stages of 10 blocks), with CP 4 on 16 processes."""
+    from mm_grpo.mindspeed_mm.grpo import check_launch
+    with open(os.path.join(REPO, "examples", "wan", "model_14b.json")) as f:
+        config = json.load(f)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    launch = check_launch(_launch_argv(tiny_wan, tmp_path, {"predictor": config["predictor"], "num_frames": 81,
+                                                            "image_size": [480, 832]},
+                                       **{"pipeline-model-parallel-size": 4, "context-parallel-size": 4,
+                                          "use-multiparameter-pipeline-model-parallel": True}))
+    assert (launch.settings.height, launch.settings.width) == (480, 832)
+
+
 @pytest.mark.parametrize("case, world, model, flags, match", [
     ("tp2", 2, None, {"tensor-model-parallel-size": 2},
      r"--tensor-model-parallel-size 2: MindSpeed-MM's wandit does not shard under tensor parallelism"),
@@ -161,6 +213,13 @@ def test_a_wan_launch_that_passes_the_checks(tiny_wan, tmp_path):
     ("cp3", 3, None, {"context-parallel-size": 3},
      r"--context-parallel-size 3 does not divide the 8 video tokens of 5 frames at 32x32"),
     ("frames", 1, {"num_frames": 8}, {}, r"num_frames 8: Wan's VAE takes 4k \+ 1 frames"),
+    ("pp2_one_tensor", 2, None, {"pipeline-model-parallel-size": 2},
+     r"--pipeline-model-parallel-size 2: wandit's stages exchange several tensors; add "
+     r"--use-multiparameter-pipeline-model-parallel"),
+    ("pp2_layers", 2, {"predictor": {"pipeline_num_layers": [2]}},
+     {"pipeline-model-parallel-size": 2, "use-multiparameter-pipeline-model-parallel": True},
+     r"the predictor's pipeline_num_layers must list the blocks of each of the 2 stages, summing to its "
+     r"num_layers 2; got \[2\]"),
     ("flux_pipeline", 1, "flux", {},
      r"text_encoder.from_pretrained .*: its text_encoder/ holds CLIPTextModel, not Wan's UMT5EncoderModel"),
 ])

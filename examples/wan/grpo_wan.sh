@@ -13,13 +13,17 @@
 #   MINDSPEED_MM   the MindSpeed-MM checkout the launch runs from (Megatron-LM's megatron/ inside it, as its
 #                  install guide has it); the tiny run: $MINDSPEED_MM_TESTBED/MindSpeed-MM
 #   PIPELINE_DIR   diffusers Wan pipeline folder (text_encoder/ + tokenizer/: umT5, vae/: AutoencoderKLWan)
-#   LOAD_PATH      the DiT's weights, `mm-convert WanConverter hf_to_mm` of PIPELINE_DIR/transformer (TP 1,
-#                  PP 1); to resume, LOAD_PATH=$SAVE_PATH
-#   MODEL_JSON DATA_JSON  model.json (Wan2.1-T2V-1.3B, 81 frames at 480x832; model_tiny.json for the tiny
-#                  run) and data.json ($PROMPT_FILE, $EVAL_PROMPT_FILE)
+#   LOAD_PATH      the DiT's weights, `mm-convert WanConverter hf_to_mm` of PIPELINE_DIR/transformer (TP 1;
+#                  under PP, --cfg.target_parallel_config.pp_layers as pipeline_num_layers); to resume,
+#                  LOAD_PATH=$SAVE_PATH
+#   MODEL_JSON DATA_JSON  model.json (Wan2.1-T2V-1.3B, 81 frames at 480x832; model_14b.json: Wan2.1-T2V-14B,
+#                  PP=4; model_tiny.json for the tiny run) and data.json ($PROMPT_FILE, $EVAL_PROMPT_FILE)
 #   HPS_PATH       the image reward model.json averages over 4 frames of each video
 #   CP             Ulysses context-parallel size (it must divide the video tokens; wandit runs TP 1 and one
-#                  sample per micro-batch, and this entry runs PP 1: docs/video.md)
+#                  sample per micro-batch: docs/video.md)
+#   PP             pipeline-parallel size: model.json's predictor.pipeline_num_layers lists the blocks of
+#                  each stage (the tiny run converts LOAD_PATH for it); under PP the launch adds
+#                  --use-multiparameter-pipeline-model-parallel (MindSpeed's multi-tensor schedule)
 #   NPUS_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT   torchrun
 #   G STEPS K ITERS LR SEED KL_BETA  generations per prompt, denoising steps, trained steps per sample
 #                  (DanceGRPO: 0.6 of the SDE steps), iterations, learning rate, seed, KL weight
@@ -56,13 +60,17 @@ if [ "$TINY" = 1 ]; then
   export PIPELINE_DIR="$RUN_DIR/tiny_wan"
   [ -d "$PIPELINE_DIR" ] || "$PY" -m mm_grpo.tools.tiny_wan --out "$PIPELINE_DIR" > /dev/null
   LOAD_PATH="${LOAD_PATH:-$RUN_DIR/tiny_wan_mm}"
+  MODEL_JSON="${MODEL_JSON:-$SCRIPT_DIR/model_tiny.json}"
+  PP_LAYERS=()  # the stages' blocks, model.json's pipeline_num_layers, for the converter's split
+  [ "${PP:-1}" = 1 ] || PP_LAYERS=(--cfg.target_parallel_config.pp_layers "$("$PY" -c \
+    'import json, sys; print(json.load(open(sys.argv[1]))["predictor"]["pipeline_num_layers"])' "$MODEL_JSON" \
+    | tr -d ' ')")
   [ -d "$LOAD_PATH" ] || "$PY" -m converters.convert_cli WanConverter hf_to_mm \
     --cfg.source_path "$PIPELINE_DIR/transformer" --cfg.target_path "$LOAD_PATH" --cfg.target_parallel_config.tp_size 1 \
-    > "$RUN_DIR/convert.log"
+    "${PP_LAYERS[@]}" > "$RUN_DIR/convert.log"
   [ -f "$RUN_DIR/prompts/train.txt" ] || "$PY" -m mm_grpo.data.motion split --out "$RUN_DIR/prompts" --num-prompts 60 > /dev/null
   export PROMPT_FILE="${PROMPT_FILE:-$RUN_DIR/prompts/train.txt}"
   export EVAL_PROMPT_FILE="${EVAL_PROMPT_FILE-$RUN_DIR/prompts/held_out.txt}"; EVAL_PROMPTS="${EVAL_PROMPTS:-4}"
-  MODEL_JSON="${MODEL_JSON:-$SCRIPT_DIR/model_tiny.json}"
   NPUS_PER_NODE="${NPUS_PER_NODE:-2}"; G="${G:-4}"; STEPS="${STEPS:-6}"; K="${K:-3}"; ITERS="${ITERS:-3}"
   LR="${LR:-1e-3}"; SEED="${SEED:-1}"; EVAL_INTERVAL="${EVAL_INTERVAL:-$ITERS}"; DIST_BACKEND=gloo
 fi
@@ -72,19 +80,20 @@ export EVAL_PROMPT_FILE="${EVAL_PROMPT_FILE:-}"
 
 NPUS_PER_NODE="${NPUS_PER_NODE:-8}"; NNODES="${NNODES:-1}"; NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-localhost}"; MASTER_PORT="${MASTER_PORT:-6000}"
-CP="${CP:-1}"
-DP=$((NPUS_PER_NODE * NNODES / CP))
+CP="${CP:-1}"; PP="${PP:-1}"
+DP=$((NPUS_PER_NODE * NNODES / CP / PP))
 G="${G:-8}"; STEPS="${STEPS:-16}"; K="${K:-9}"; ITERS="${ITERS:-200}"; LR="${LR:-1e-5}"
 GBS="${GBS:-$((G * DP * K))}"  # (generation, trained step) rows per optimizer step: one prompt per data-parallel rank
 
 DISTRIBUTED_ARGS="--nproc_per_node $NPUS_PER_NODE --nnodes $NNODES --node_rank $NODE_RANK \
   --master_addr $MASTER_ADDR --master_port $MASTER_PORT"
-GPT_ARGS="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 \
+GPT_ARGS="--tensor-model-parallel-size 1 --pipeline-model-parallel-size $PP \
   --context-parallel-size $CP --context-parallel-algo ulysses_cp_algo \
   --micro-batch-size 1 --global-batch-size $GBS --train-iters $ITERS --seed ${SEED:-1234} \
   --lr $LR --min-lr 0 --lr-decay-style constant --lr-warmup-iters 0 --weight-decay 1e-4 \
   --adam-beta1 0.9 --adam-beta2 0.999 --adam-eps 1e-8 --clip-grad 1.0 \
   --distributed-backend ${DIST_BACKEND:-nccl} --no-gradient-accumulation-fusion"
+[ "$PP" = 1 ] || GPT_ARGS="$GPT_ARGS --use-multiparameter-pipeline-model-parallel"
 [ "$DEVICE" = cpu ] || GPT_ARGS="$GPT_ARGS --bf16 --recompute-granularity full --recompute-method block \
   --recompute-num-layers ${RECOMPUTE_LAYERS:-30} --use-fused-rmsnorm"
 MM_ARGS="--mm-model ${MODEL_JSON:-$SCRIPT_DIR/model.json} --mm-data ${DATA_JSON:-$SCRIPT_DIR/data.json} \
@@ -95,7 +104,7 @@ GRPO_ARGS="--num-generations $G --num-inference-steps $STEPS --sampler ${SAMPLER
 OUTPUT_ARGS="--log-interval 1 --save-interval ${SAVE_INTERVAL:-50} --eval-interval ${EVAL_INTERVAL:-50} \
   --load $LOAD_PATH --save ${SAVE_PATH:-$RUN_DIR/ckpt} --tensorboard-dir $RUN_DIR/tb --ckpt-format torch"
 
-echo "[grpo_wan.sh] device=$DEVICE nodes=$NNODES x $NPUS_PER_NODE CP=$CP DP=$DP run=$RUN_DIR"
+echo "[grpo_wan.sh] device=$DEVICE nodes=$NNODES x $NPUS_PER_NODE CP=$CP PP=$PP DP=$DP run=$RUN_DIR"
 cd "$MINDSPEED_MM"  # MindSpeed-MM's launches run from its checkout (its megatron/ and relative paths)
 # shellcheck disable=SC2086
 run_trainer "$RUN_DIR/train.log" env PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}" "$PY" -m torch.distributed.run \

@@ -14,11 +14,15 @@ checkpoint comes of it; `--max-skipped-iterations` of them in a row stop the run
 
 Megatron's `--global-batch-size` counts micro-batch rows per optimizer step: it must be
 (generations per update) x (trained steps per sample) with the same `--micro-batch-size`.
-The rollout runs inside the first `forward_step` of a step, so every rank of the pipeline group
-would have to be in it at once: pipeline parallelism (and its virtual stages) needs mm-grpo's
-own loop (`train_grpo`), which rolls out between the optimizer steps.
+
+The rollout runs before Megatron's forward-backward of a step (`rollout_before_each_step`), on
+every rank at once: under pipeline parallelism its denoising forwards go through every stage,
+while Megatron's schedule has every stage but the first receive activations before it calls
+`forward_step`, so a rollout inside the first `forward_step` would deadlock the stages
+(docs/grpo_schedule.md section 11).
 """
 import collections
+import contextlib
 import functools
 
 import torch
@@ -48,6 +52,11 @@ class GRPOMicroBatches:
         return self
 
     def __next__(self):
+        self.fill()
+        return self.queue.popleft()
+
+    def fill(self):
+        """Roll out until there are micro-batches to train (nothing if some are left)."""
         while not self.queue:
             if self.before_rollout is not None:
                 self.before_rollout()
@@ -64,7 +73,6 @@ class GRPOMicroBatches:
             logged = {k: torch.tensor(float(self.stats[k])) for k in LOGGED_ROLLOUT_STATS if k in self.stats}
             for micro_batches in updates:
                 self.queue.extend(dict(mb, logged=logged) for mb in micro_batches)
-        return self.queue.popleft()
 
 
 def _loss_func(schedule, batch, output):
@@ -78,3 +86,23 @@ def grpo_forward_step(schedule, data_iterator, model):
     `schedule` with functools.partial)."""
     batch = next(data_iterator)
     return schedule.denoiser.forward(model, batch), functools.partial(_loss_func, schedule, batch)
+
+
+@contextlib.contextmanager
+def rollout_before_each_step(data):
+    """MindSpeed-MM's loop (`mindspeed_mm.training.train`) with `data().fill()` before each
+    `train_step`: every rank rolls out together, before the step's pipeline schedule starts.
+    `data` returns the GRPOMicroBatches that `pretrain`'s data provider built."""
+    import mindspeed_mm.training as loop
+    train_step = loop.train_step
+
+    @functools.wraps(train_step)
+    def train_step_after_rollout(*args, **kwargs):
+        data().fill()
+        return train_step(*args, **kwargs)
+
+    loop.train_step = train_step_after_rollout
+    try:
+        yield
+    finally:
+        loop.train_step = train_step

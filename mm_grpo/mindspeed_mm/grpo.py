@@ -33,10 +33,11 @@ saved of them); `--kl-beta` has its frozen reference, the starting policy; with
 step, every `--eval-interval` steps (Megatron's flag: this entry has no validation set) and at
 the end.
 
-Refused, each in one line: pipeline parallelism (the rollout runs inside the first
-`forward_step` of a step, while Megatron's schedule has the later stages waiting for that
-micro-batch's activations: they take the rollout's instead and the stages deadlock, measured:
-docs/grpo_schedule.md section 11); mm-grpo's `--ema-decay` /
+The rollout runs before each step's forward-backward, on every rank at once
+(`adapter.rollout_before_each_step`), so Wan's pipeline stages roll out together.
+
+Refused, each in one line: pipeline parallelism for FLUX (this entry gives Megatron's schedule
+wandit's stage tensors only; mm-grpo's own trainer runs FLUX under PP and VPP); mm-grpo's `--ema-decay` /
 `--ema-decay-ramp` (in MindSpeed's parser `--ema-decay` is its fused_ema_adamw optimizer's decay,
 and Megatron's checkpoint could not hold the EMA); `--load` inside a rollout (a multiple of
 --updates-per-rollout), and with --updates-per-rollout > 1 a `--save-interval` or
@@ -61,7 +62,7 @@ from mm_grpo.data import PromptStream
 from mm_grpo.files.jsonfile import load_json
 from mm_grpo.files.lock import RunFolderLocked
 from mm_grpo.grpo.schedule import GRPOSettings
-from mm_grpo.mindspeed_mm.adapter import GRPOMicroBatches, grpo_forward_step
+from mm_grpo.mindspeed_mm.adapter import GRPOMicroBatches, grpo_forward_step, rollout_before_each_step
 from mm_grpo.rewards.combined import CombinedReward
 from mm_grpo.settings import add_setting_args, check_minimums, from_args
 from mm_grpo.training import components, run_guard
@@ -75,11 +76,10 @@ MODEL_BLOCKS = ("predictor", "ae", "text_encoder", "reward")  # what --mm-model 
 # Megatron's tracker of the latest checkpoint in a --load folder (megatron/training/checkpointing.py).
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 PP_REFUSAL = (
-    "pipeline parallelism (--pipeline-model-parallel-size {pp}) is not supported by mm_grpo.mindspeed_mm.grpo: "
-    "the rollout runs inside the first forward_step of an optimizer step, while Megatron's pipeline schedule has the "
-    "later stages waiting in recv_forward: they take the rollout's activations as a training micro-batch's and the "
-    "stages deadlock (docs/grpo_schedule.md section 11); use --pipeline-model-parallel-size 1, or "
-    f"{OWN_TRAINER}, which runs PP and VPP")
+    "pipeline parallelism (--pipeline-model-parallel-size {pp}) is not supported for FLUX by "
+    "mm_grpo.mindspeed_mm.grpo: it gives Megatron's pipeline schedule the stage tensors of MindSpeed-MM's wandit "
+    "only (docs/grpo_schedule.md section 11); use --pipeline-model-parallel-size 1, or "
+    f"{OWN_TRAINER}, which runs FLUX under PP and VPP")
 EMA_REFUSAL = (
     "{flag}: mm_grpo.mindspeed_mm.grpo keeps no EMA of the policy (MindSpeed's parser reads --ema-decay as its "
     "fused_ema_adamw optimizer's decay, with --optimizer-selection fused_ema_adamw, and Megatron's checkpoint "
@@ -179,13 +179,7 @@ def _check_launch(argv) -> Launch:
     args = parse_launch_args(argv)
     if "--ema-decay" in flags and getattr(args, "optimizer_selection", None) != "fused_ema_adamw":
         raise ValueError(EMA_REFUSAL.format(flag="--ema-decay"))
-    if args.pipeline_model_parallel_size > 1:
-        raise ValueError(PP_REFUSAL.format(pp=args.pipeline_model_parallel_size))
     check_minimums(args, *OWN_SETTINGS)
-    model_parallel = args.tensor_model_parallel_size * args.context_parallel_size
-    if args.world_size % model_parallel:
-        raise ValueError(f"{args.world_size} processes do not split into tensor x context parallel groups of "
-                         f"{args.tensor_model_parallel_size} x {args.context_parallel_size}")
     for flag, what in (("--mm-model", "model.json"), ("--mm-data", "data.json"),
                        ("--mm-tool", "MindSpeed-MM's tools.json, whose profiler settings its pretrain reads")):
         if not getattr(args, flag[2:].replace("-", "_")):
@@ -197,6 +191,13 @@ def _check_launch(argv) -> Launch:
         components.block(model_cfg, name, "--mm-model")
     if wan.is_wan(model_cfg):
         wan.check_wan_launch(args, model_cfg)
+    elif args.pipeline_model_parallel_size > 1:
+        raise ValueError(PP_REFUSAL.format(pp=args.pipeline_model_parallel_size))
+    model_parallel = args.tensor_model_parallel_size * args.context_parallel_size * args.pipeline_model_parallel_size
+    if args.world_size % model_parallel:
+        raise ValueError(f"{args.world_size} processes do not split into tensor x context x pipeline parallel groups "
+                         f"of {args.tensor_model_parallel_size} x {args.context_parallel_size} x "
+                         f"{args.pipeline_model_parallel_size}")
     settings = grpo_settings(args, model_cfg, args.world_size // model_parallel)
     u, start = settings.updates_per_rollout, resumed_iteration(args)
     check_rollout_boundary(start, u)
@@ -236,12 +237,27 @@ class GRPOInPretrain:
         self.first_eval = self.last_eval = None  # this launch's first and last EvalResult (the paired gain)
 
     def model_provider(self, pre_process=True, post_process=True):
-        from megatron.training.arguments import core_transformer_config_from_args
         from mindspeed_mm.models.predictor.predict_model import PredictModel
-        model = PredictModel(get_args().mm.model.predictor).get_model()
-        if model.config is None:  # MindSpeed-MM's own DiTs (wandit) get Megatron's config from SoRAModel, as here
-            model.config = core_transformer_config_from_args(get_args())
+        args = get_args()
+        if args.pipeline_model_parallel_size > 1:  # wandit's stage tensors, as pretrain_sora.py gives SoRA's
+            args.pipeline_tensor_shapes = wan.stage_tensor_shapes(args, self.launch.model_cfg)
+        model = self.with_megatron_config(PredictModel(args.mm.model.predictor).get_model())
         self.policy.append(model)
+        return model
+
+    @staticmethod
+    def with_megatron_config(model):
+        """MindSpeed-MM's own DiTs (wandit) get from SoRAModel what Megatron asks of the model it trains;
+        here from this entry: the config (with the stage tensors MindSpeed's multi-tensor schedule
+        reads from it under PP) and no shared embedding and output weights (PP's gradient finalizing
+        asks the first and last stages)."""
+        from megatron.training.arguments import core_transformer_config_from_args
+        args = get_args()
+        if model.config is None:
+            model.config = core_transformer_config_from_args(args)
+            model.share_embeddings_and_output_weights = False
+        if args.pipeline_model_parallel_size > 1:
+            model.config.pipeline_tensor_shapes = args.pipeline_tensor_shapes
         return model
 
     def train_valid_test_datasets_provider(self, num_samples):
@@ -279,6 +295,7 @@ class GRPOInPretrain:
         policy = self.policy[0]
         block = args.mm.model.predictor.to_dict()
         ref = PredictModel(ConfigReader({k: v for k, v in block.items() if k != "from_pretrained"})).get_model()
+        ref = self.with_megatron_config(ref)
         if args.iteration == 0:
             ref.load_state_dict(policy.state_dict())
         else:
@@ -333,9 +350,10 @@ def main():
     grpo = GRPOInPretrain(launch)
     from mindspeed_mm.training import pretrain
     try:
-        pretrain(grpo.train_valid_test_datasets_provider, grpo.model_provider, ModelType.encoder_or_decoder,
-                 grpo.forward_step, extra_args_provider=add_grpo_args,
-                 args_defaults={"dataloader_type": "external"})
+        with rollout_before_each_step(lambda: grpo.data):
+            pretrain(grpo.train_valid_test_datasets_provider, grpo.model_provider, ModelType.encoder_or_decoder,
+                     grpo.forward_step, extra_args_provider=add_grpo_args,
+                     args_defaults={"dataloader_type": "external"})
         grpo.finish()
     finally:
         if grpo.lock is not None:

@@ -11,6 +11,9 @@ pipeline stage. What it runs, measured against diffusers' WanTransformer3DModel
 - tensor parallel size 1: its q / k RMSNorm spans the whole hidden size, which a tensor-parallel
   shard does not hold (MindSpeed-MM's Wan scripts run TP 1; its WanConverter does not split for TP);
 - Ulysses context parallelism over the video tokens, T x h/2 x w/2 of them, which CP must divide;
+- pipeline parallelism as MindSpeed-MM runs it: the predictor's `pipeline_num_layers` (blocks per
+  stage) and MindSpeed's multi-tensor schedule (`--use-multiparameter-pipeline-model-parallel`),
+  each stage sending the next `STAGE_OUTPUTS`; no virtual stages (one model chunk per rank);
 and model.json's text encoder and VAE must be a Wan pipeline's (umT5, AutoencoderKLWan).
 """
 import dataclasses
@@ -20,7 +23,9 @@ import os
 from typing import Dict, Tuple
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.utils import get_attr_wrapped_model
 
 from mm_grpo.encoders.wan import UMT5Conditioner, WanVaeDecoder, video_latent_shape, video_token_grid
 from mm_grpo.mindspeed_mm.predictor import scale_grad
@@ -32,6 +37,11 @@ MODEL_ID = "wandit"
 TIMESTEP_SCALE = 1000.0
 DEFAULT_NUM_FRAMES = 81  # Wan2.1's 5 s at 16 fps
 DEFAULT_TEXT_LEN = 512  # Wan2.1's umT5 sequence length
+# WanDiT returns (hidden states, prompt, prompt_emb, time_emb, times, prompt_mask); a stage sends the next
+# these entries: the prompt (and its mask) only the first stage reads, and a None cannot be sent.
+STAGE_OUTPUTS = (0, 2, 3, 4)
+NUM_MODULATIONS = 6  # time_emb: the blocks' shift / scale / gate of attention and feed-forward
+MULTI_TENSOR_FLAG = "--use-multiparameter-pipeline-model-parallel"
 
 
 def is_wan(model_cfg: dict) -> bool:
@@ -80,7 +90,39 @@ def check_wan_launch(args, model_cfg: dict):
     if tokens % args.context_parallel_size:
         raise ValueError(f"--context-parallel-size {args.context_parallel_size} does not divide the {tokens} video "
                          f"tokens of {frames} frames at {height}x{width} (Ulysses splits the sequence evenly)")
+    if args.pipeline_model_parallel_size > 1:
+        check_wan_pipeline_stages(args, model_cfg["predictor"])
     check_wan_pipeline(model_cfg)
+
+
+def check_wan_pipeline_stages(args, predictor: dict):
+    """Pipeline parallelism as MindSpeed-MM configures wandit's (its Wan README: the multi-tensor
+    schedule is required under PP; `pipeline_num_layers` in the predictor block)."""
+    pp = args.pipeline_model_parallel_size
+    if getattr(args, "virtual_pipeline_model_parallel_size", None) or args.num_layers_per_virtual_pipeline_stage:
+        raise ValueError("virtual pipeline stages: this entry runs wandit with one model chunk per rank; drop "
+                         "--virtual-pipeline-model-parallel-size")
+    if not getattr(args, "use_multiparameter_pipeline_model_parallel", False):
+        raise ValueError(f"--pipeline-model-parallel-size {pp}: wandit's stages exchange several tensors; add "
+                         f"{MULTI_TENSOR_FLAG} (MindSpeed's multi-tensor pipeline schedule)")
+    layers, total = predictor.get("pipeline_num_layers"), predictor.get("num_layers")
+    if (not isinstance(layers, list) or len(layers) != pp or sum(layers) != total
+            or not all(isinstance(n, int) and n > 0 for n in layers)):
+        raise ValueError(f"--pipeline-model-parallel-size {pp}: the predictor's pipeline_num_layers must list the "
+                         f"blocks of each of the {pp} stages, summing to its num_layers {total}; got {layers}")
+
+
+def stage_tensor_shapes(args, model_cfg: dict) -> list:
+    """What one stage sends the next for a micro-batch of one sample (`STAGE_OUTPUTS`), as MindSpeed's
+    multi-tensor schedule takes it (`config.pipeline_tensor_shapes`)."""
+    predictor = model_cfg["predictor"]
+    hidden, dtype = predictor["hidden_size"], args.params_dtype
+    frames, height, width = video_size(model_cfg)
+    tokens = math.prod(video_token_grid(video_latent_shape(frames, height, width)[1:]))
+    return [{"shape": (1, tokens // args.context_parallel_size, hidden), "dtype": dtype},
+            {"shape": (1, predictor["text_len"], hidden), "dtype": dtype},
+            {"shape": (1, NUM_MODULATIONS, hidden), "dtype": dtype},
+            {"shape": (1, hidden), "dtype": dtype}]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,18 +142,48 @@ class WanDenoiser(Denoiser):
             raise ValueError("wandit runs one model chunk per rank (no virtual pipeline stages)")
         model, prompt = chunks[0], cond["prompt"]
 
-        def velocity(x, sigma):  # one sample per call, whatever the micro-batch (see the module docstring)
-            return torch.cat([self.forward(model, {"hidden_states": x[i:i + 1], "prompt": prompt[i:i + 1],
-                                                   "timestep": sigma[i:i + 1]})
-                              for i in range(x.shape[0])]).to(x.dtype)
+        def velocity(x, sigma):  # one sample per micro-batch, whatever the batch (see the module docstring)
+            samples = [{"hidden_states": x[i:i + 1], "prompt": prompt[i:i + 1], "timestep": sigma[i:i + 1]}
+                       for i in range(x.shape[0])]
+            with torch.no_grad():
+                if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+                    return torch.cat([self.forward(model, sample) for sample in samples]).to(x.dtype)
+                return self._pipelined(model, samples, x.dtype)
 
         return velocity
 
+    def _pipelined(self, model, samples, dtype):
+        """The samples through every stage with Megatron's forward-only schedule (they are in flight
+        together), the last stage's velocity broadcast to the pipeline group."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func  # MindSpeed's, under its adaptor
+
+        def forward_step(data_iterator, chunk):
+            return self.forward(chunk, next(data_iterator)), lambda out, non_loss_data=False: out
+
+        outs = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(samples), model=[model], num_microbatches=len(samples),
+            seq_length=1, micro_batch_size=1, forward_only=True, collect_non_loss_data=True)  # shapes: the config's
+        first = samples[0]["hidden_states"]
+        v = torch.cat(outs).to(dtype) if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else \
+            torch.empty((len(samples), *first.shape[1:]), dtype=dtype, device=first.device)
+        dist.broadcast(v, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                       group=parallel_state.get_pipeline_model_parallel_group())
+        return v
+
     def forward(self, model, batch):
-        v = model(batch["hidden_states"], batch["timestep"] * TIMESTEP_SCALE, batch["prompt"])[0]
+        dit = get_attr_wrapped_model(model, "pre_process", return_model_obj=True)
+        x, timestep = batch["hidden_states"], batch["timestep"] * TIMESTEP_SCALE
+        if dit.pre_process:
+            out = model(x, timestep, batch["prompt"])
+        else:  # the previous stage's STAGE_OUTPUTS, which Megatron's schedule set as the input tensor
+            hidden, prompt_emb, time_emb, times = dit.input_tensor
+            out = model(hidden, timestep, None, prompt_emb=prompt_emb, time_emb=time_emb, times=times,
+                        ori_shape=x.shape)
+        if not dit.post_process:
+            return [out[i] for i in STAGE_OUTPUTS]
         # Every CP rank holds the whole velocity (the DiT gathers it, scaling its gradient by CP on the way
         # back) and Megatron scales the loss by CP again; MindSpeed-MM's loss divides by CP, so this does.
-        return scale_grad(v, 1 / parallel_state.get_context_parallel_world_size())
+        return scale_grad(out[0], 1 / parallel_state.get_context_parallel_world_size())
 
 
 def wan_parts(model_cfg, settings, policy, device, dtype):

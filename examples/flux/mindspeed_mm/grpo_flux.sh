@@ -5,7 +5,7 @@
 #   MINDSPEED_MM=/path/to/MindSpeed-MM PIPELINE_DIR=/models/FLUX.1-dev HPS_PATH=/models/HPS_v2.1_compressed.pt \
 #   PROMPT_FILE=prompts.txt bash examples/flux/mindspeed_mm/grpo_flux.sh [more arguments of the entry]
 # Weights: LOAD_PATH, an `mm-convert FluxConverter hf_to_mm` output at this TP and PP 1 (the entry
-# refuses pipeline parallelism), or predictor.from_pretrained in MM_MODEL (one diffusers
+# refuses pipeline parallelism for FLUX), or predictor.from_pretrained in MM_MODEL (one diffusers
 # diffusion_pytorch_model.safetensors file); to resume a run, LOAD_PATH=$SAVE_PATH.
 # MM_MODEL (grpo_model.json): the VAE and text encoders of $PIPELINE_DIR and the rewards ($HPS_PATH);
 # MM_DATA (grpo_data.json): $PROMPT_FILE, and $EVAL_PROMPT_FILE for the held-out evaluation (unset: none).
