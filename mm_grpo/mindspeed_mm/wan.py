@@ -56,6 +56,12 @@ def video_size(model_cfg: dict) -> Tuple[int, int, int]:
     return frames, height, width
 
 
+def video_tokens(model_cfg: dict) -> int:
+    """The DiT's tokens over model.json's video (wandit's 1 x 2 x 2 patch)."""
+    frames, height, width = video_size(model_cfg)
+    return math.prod(video_token_grid(video_latent_shape(frames, height, width)[1:]))
+
+
 # model.json block -> (its pipeline subfolder, the class a Wan pipeline has there)
 WAN_PARTS = {"text_encoder": ("text_encoder", "UMT5EncoderModel"), "ae": ("vae", "AutoencoderKLWan")}
 
@@ -86,7 +92,7 @@ def check_wan_launch(args, model_cfg: dict):
                          "not shard under tensor parallelism (its q / k RMSNorm spans the whole hidden size): use "
                          "--context-parallel-size (Ulysses) and data parallelism")
     frames, height, width = video_size(model_cfg)
-    tokens = math.prod(video_token_grid(video_latent_shape(frames, height, width)[1:]))
+    tokens = video_tokens(model_cfg)
     if tokens % args.context_parallel_size:
         raise ValueError(f"--context-parallel-size {args.context_parallel_size} does not divide the {tokens} video "
                          f"tokens of {frames} frames at {height}x{width} (Ulysses splits the sequence evenly)")
@@ -117,9 +123,7 @@ def stage_tensor_shapes(args, model_cfg: dict) -> list:
     multi-tensor schedule takes it (`config.pipeline_tensor_shapes`)."""
     predictor = model_cfg["predictor"]
     hidden, dtype = predictor["hidden_size"], args.params_dtype
-    frames, height, width = video_size(model_cfg)
-    tokens = math.prod(video_token_grid(video_latent_shape(frames, height, width)[1:]))
-    return [{"shape": (1, tokens // args.context_parallel_size, hidden), "dtype": dtype},
+    return [{"shape": (1, video_tokens(model_cfg) // args.context_parallel_size, hidden), "dtype": dtype},
             {"shape": (1, predictor["text_len"], hidden), "dtype": dtype},
             {"shape": (1, NUM_MODULATIONS, hidden), "dtype": dtype},
             {"shape": (1, hidden), "dtype": dtype}]
