@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from bench.demo_compute import EARLIER_DEFAULT, SCRIPT, iteration_seconds, shipped_default
+from bench.demo_compute import EARLIER_DEFAULT, SCRIPT, SETTINGS, iteration_seconds, shipped_default
 from mm_grpo.training.logging_utils import TrainLogger
 
 
@@ -20,10 +20,12 @@ def test_iteration_seconds_sums_the_logged_phases(tmp_path):
 
 
 def test_shipped_default_is_what_the_script_sets():
-    """The CPU branch's ITERS and MBS as bash evaluates those lines with nothing set."""
-    lines = [line for line in SCRIPT.read_text().splitlines() if 'ITERS="${ITERS:-' in line or 'MBS="${MBS:-' in line]
-    env = {k: v for k, v in os.environ.items() if k not in ("ITERS", "MBS")}
-    out = subprocess.run(["bash", "-c", "\n".join(lines[:1] + ['echo "$ITERS $MBS"'])], env=env,
+    """The CPU branch's ITERS, MBS and G as bash evaluates those lines with nothing set."""
+    lines = [line for line in SCRIPT.read_text().splitlines()
+             if any(f'{name}="${{{name}:-' in line for name in SETTINGS)]
+    env = {k: v for k, v in os.environ.items() if k not in SETTINGS}
+    echo = 'echo ' + " ".join(f'"${name}"' for name in SETTINGS)
+    out = subprocess.run(["bash", "-c", "\n".join(lines[:2] + [echo])], env=env,
                          capture_output=True, text=True, check=True).stdout.split()
-    assert shipped_default() == {"ITERS": int(out[0]), "MBS": int(out[1])}
+    assert shipped_default() == dict(zip(SETTINGS, map(int, out)))
     assert shipped_default() != EARLIER_DEFAULT

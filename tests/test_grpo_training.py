@@ -1,5 +1,6 @@
 """The GRPO schedule in the Megatron training loop, single process (CPU, fp32)."""
 import dataclasses
+import json
 import math
 
 import pytest
@@ -376,3 +377,10 @@ def test_held_out_evaluation_and_figures(parallel_1proc, tiny_pipeline_dir, tmp_
         with open(tmp_path / name, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
     assert not list(tmp_path.glob("*.tmp.png"))
+    # each evaluation's per-sample scores, whose mean is the logged one
+    for it in (0, 1, 2):
+        saved = json.loads((tmp_path / "eval" / f"scores_{it:06d}.json").read_text())
+        assert saved["iteration"] == it and saved["prompts"] == run.evaluator.prompts[::saved["noises"]]
+        cells = [v for row in saved["scores"]["reward_mean"] for v in row]
+        assert len(cells) == len(run.evaluator.prompts)
+        assert sum(cells) / len(cells) == pytest.approx(run.evaluations[it]["eval/reward_mean"], rel=1e-6)

@@ -45,11 +45,11 @@ def test_grpo_flux_sh_exits_with_the_trainers_status_and_line(tmp_path):
 def test_grpo_flux_sh_as_shipped_trains_the_cpu_demo(tmp_path):
     """examples/flux/grpo_flux.sh unchanged, as a first run on a machine without an accelerator
     (the tiny shapes demo), only its sizes through its variables: one process, one iteration of one
-    prompt's 8 generations, one held-out prompt. It trains, evaluates, saves and draws its figures."""
+    prompt's 16 generations (the demo's G), one held-out prompt. It trains, evaluates, saves and draws its figures."""
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=_pythonpath(), MM_GRPO_PYTHON=sys.executable,
                MM_GRPO_ASCEND=str(tmp_path / "no_ascend"), RUN_DIR=str(run_dir), NPUS_PER_NODE="1", ITERS="1",
-               GBS="8", MBS="8", EVAL_PROMPTS="1", MASTER_PORT=str(_free_port()), PYTHONWARNINGS="ignore")
+               GBS="16", MBS="16", EVAL_PROMPTS="1", MASTER_PORT=str(_free_port()), PYTHONWARNINGS="ignore")
     env.pop("MM_GRPO_DEVICE", None)  # the script finds the CPU itself
     proc = subprocess.run(["bash", "examples/flux/grpo_flux.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)

@@ -3,7 +3,7 @@
 #
 #   bash examples/flux/grpo_flux.sh                 # no accelerator: the tiny CPU demo, 2 processes
 #                                                   # (GRPO of the shipped tiny shapes FLUX, docs/demo.md;
-#                                                   # ~9.5 min on 2 cores; ITERS=20: a 3-min look)
+#                                                   # 4.5-9.5 min on 2 cores, by machine; ITERS=20: a look)
 #   PIPELINE_DIR=/models/FLUX.1-dev HPS_PATH=/models/HPS_v2.1_compressed.pt \
 #   PROMPT_FILE=prompts.txt NPUS_PER_NODE=8 TP=2 bash examples/flux/grpo_flux.sh [extra trainer args]
 #
@@ -55,11 +55,11 @@ if [ -z "${PIPELINE_DIR:-}" ]; then
   fi
   # The CPU demo (docs/demo.md): the tiny shapes FLUX shipped in examples/flux/tiny_shapes
   # (pretrained by build_tiny_shapes.sh), DiffusionNFT on ODE rollouts rewarded by full-prompt
-  # accuracy, on the families the model meets in 20-60% of samples (single objects, counts),
-  # evaluated on the reporting half of the other prompts of those families x 64 fixed noises
-  # (seed 1: never used while choosing the settings; docs/demo.md#evaluation). 16 prompts x G 8
-  # per iteration, a random quarter of the 16 steps trained, the old policy an EMA, a KL anchor;
-  # micro-batch 32: the tiny model's calls are mostly overhead (bench/demo_compute.py).
+  # accuracy plus the objects' F1, on the families the model meets in 20-60% of samples (single
+  # objects, counts), evaluated on the reporting half of the other prompts of those families x 64
+  # fixed noises (seed 1: never used while choosing the settings; docs/demo.md#evaluation). 8 prompts
+  # x G 16 per iteration, a random quarter of the 16 steps trained, the old policy an EMA, a KL
+  # anchor; micro-batch 32: the tiny model's calls are mostly overhead (bench/demo_compute.py).
   export PIPELINE_DIR="$SCRIPT_DIR/tiny_shapes"
   MODEL_JSON="${MODEL_JSON:-$SCRIPT_DIR/model_shapes_demo.json}"; DATA_JSON="${DATA_JSON:-$SCRIPT_DIR/data_shapes_demo.json}"
   export PROMPT_FILE="${PROMPT_FILE:-$SCRIPT_DIR/shapes_prompts/grpo_objects.txt}"
@@ -67,7 +67,7 @@ if [ -z "${PIPELINE_DIR:-}" ]; then
   export EVAL_SAMPLES="${EVAL_SAMPLES:-64}" EVAL_SEED="${EVAL_SEED:-1}"  # data_shapes_demo.json reads them
   NPUS_PER_NODE="${NPUS_PER_NODE:-2}"; ITERS="${ITERS:-110}"; GBS="${GBS:-128}"; MBS="${MBS:-32}"
   SEED="${SEED:-1}"  # the README's figures are seeds 1-3; the default run repeats seed 1 exactly
-  G="${G:-8}"; LR="${LR:-2e-4}"; SAMPLER="${SAMPLER:-ode}"; POLICY_LOSS="${POLICY_LOSS:-nft}"; SAME_NOISE="${SAME_NOISE:-0}"
+  G="${G:-16}"; LR="${LR:-2e-4}"; SAMPLER="${SAMPLER:-ode}"; POLICY_LOSS="${POLICY_LOSS:-nft}"; SAME_NOISE="${SAME_NOISE:-0}"
   TIMESTEP_FRACTION="${TIMESTEP_FRACTION:-0.25}"; KL_BETA="${KL_BETA:-0.5}"
   EMA_DECAY="${EMA_DECAY-0.5}"; EMA_DECAY_RAMP="${EMA_DECAY_RAMP:-0.01}"
   EVAL_INTERVAL="${EVAL_INTERVAL:-55}"; IMAGE_INTERVAL="${IMAGE_INTERVAL:-$ITERS}"

@@ -19,7 +19,9 @@ checked atom by atom, as GenEval checks its tasks:
 the objects' F1 (named instances matched one to one by colour and shape) halved for a
 missed relation or background: partial credit that extra or mis-bound objects cannot buy
 (with the atom fraction, drawing more objects gains "present" atoms at the cost of one
-"nothing else"). All three are 1 exactly when the prompt is met. No weights.
+"nothing else"). `compositional_geneval` is flow_grpo's GenEval training reward
+(`geneval_score`: partial credit for counts and colours). All four are 1 when the prompt is met
+(the GenEval score looks at neither unnamed objects nor the background). No weights.
 
     python -m mm_grpo.rewards.compositional --prompts eval.txt [--pipeline DIR]   # chance and ceilings
 """
@@ -173,6 +175,46 @@ def f1_score(spec: PromptSpec, objects: Sequence[Detection], atoms: Sequence[boo
     return 2 * matched / (len(objects) + named) * 0.5 ** missed
 
 
+def geneval_score(spec: PromptSpec, objects: Sequence[Detection], cfg: DetectorConfig = DetectorConfig()) -> float:
+    """flow_grpo's GenEval training reward (the `score` of yifan123/reward-server,
+    reward_server/gen_eval.py `evaluate_reward`) with the shape as GenEval's object class and the
+    colour as its colour attribute: the mean of partial credits, per object group of the prompt
+
+        count     1 - |count - found| / count    (found: every detection of the group's shape)
+        colour    1 - |count - found in the colour| / count, or 0 when the count is wrong
+        relation  (on the first group, against the second, both counts and colours right)
+                  1 if every pair of their objects stands in the relation, else 0 and 1: the
+                  authors' code appends its 1 after a miss too
+
+    A relation prompt's groups are taken second first, as GenEval's metadata lists them (the
+    related object last, its target first). Credits can be negative (found > 2 x count); objects the
+    prompt does not name and the background do not enter, as in the authors' reward."""
+    groups = list(spec.objects[::-1]) if spec.relation else list(spec.objects)
+    credits, matched = [], []
+    for group in groups:
+        found = [o for o in objects if o.shape == group.shape]
+        credits.append(1 - abs(group.count - len(found)) / group.count)
+        if len(found) != group.count:
+            credits.append(0.0)
+            matched.append(None)
+            continue
+        colored = sum(o.color == group.color for o in found)
+        credits.append(1 - abs(group.count - colored) / group.count)
+        ok = colored == group.count
+        if ok and spec.relation and group is groups[-1]:
+            target = matched[0]
+            if target is None:
+                credits.append(0.0)
+                ok = False
+            else:
+                if not all(relation_met(a, b, spec.relation, cfg.relation_margin) for a in found for b in target):
+                    credits.append(0.0)
+                    ok = False
+                credits.append(1.0)
+        matched.append(found if ok else None)
+    return sum(credits) / len(credits)
+
+
 def atom_names(spec: PromptSpec) -> List[str]:
     """Names of `check`'s atoms, in its order."""
     names = ["present", "count"] * len(spec.objects) + (["relation"] if spec.relation else []) + ["nothing else"]
@@ -209,6 +251,7 @@ class Scores(NamedTuple):
     fraction: torch.Tensor  # [B] atoms met / atoms
     accuracy: torch.Tensor  # [B] 1 if all atoms are met
     f1: torch.Tensor  # [B] `f1_score`
+    geneval: torch.Tensor  # [B] `geneval_score`
 
 
 def score(images: torch.Tensor, prompts: Sequence[str], cfg: DetectorConfig = DetectorConfig()) -> Scores:
@@ -218,7 +261,8 @@ def score(images: torch.Tensor, prompts: Sequence[str], cfg: DetectorConfig = De
     atoms = [check(s, o, bg, cfg) for s, o, bg in zip(specs, objects, backgrounds)]
     frac = torch.tensor([sum(a) / len(a) for a in atoms], dtype=torch.float32)
     f1 = torch.tensor([f1_score(s, o, a) for s, o, a in zip(specs, objects, atoms)], dtype=torch.float32)
-    return Scores(frac, torch.tensor([float(all(a)) for a in atoms]), f1)
+    geneval = torch.tensor([geneval_score(s, o, cfg) for s, o in zip(specs, objects)], dtype=torch.float32)
+    return Scores(frac, torch.tensor([float(all(a)) for a in atoms]), f1, geneval)
 
 
 class _LastScores:
@@ -267,6 +311,14 @@ class CompositionalF1(_ShapesReward):
 
     def score(self, images, prompts):
         return _last_scores(images, prompts).f1
+
+
+@register_reward("compositional_geneval")
+class CompositionalGenEval(_ShapesReward):
+    """flow_grpo's GenEval training reward on the shapes detector (`geneval_score`), in [-1, 1]."""
+
+    def score(self, images, prompts):
+        return _last_scores(images, prompts).geneval
 
 
 # --- reference levels ------------------------------------------------------------------

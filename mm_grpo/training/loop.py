@@ -12,6 +12,7 @@ image grids every --save-image-interval, checkpoints every --save-interval and a
 (never of a skipped iteration); --max-skipped-iterations skipped in a row stop the run. The save
 folder is locked and probed before the first rollout (mm_grpo/training/run_guard.py).
 """
+import json
 import math
 import os
 import time
@@ -25,7 +26,8 @@ from mm_grpo.parallel.state import dp_mean
 from mm_grpo.runtime.chunks import forward_backward
 from mm_grpo.training import run_guard
 from mm_grpo.training.checkpointing import load_checkpoint, save_checkpoint
-from mm_grpo.training.logging_utils import TrainLogger
+from mm_grpo.files.atomic import atomic_write_text
+from mm_grpo.training.logging_utils import TrainLogger, is_logging_rank
 
 
 def all_finite(loss: float, ddp_chunks) -> bool:
@@ -60,6 +62,16 @@ def optimizer_step(chunks, optimizer, scheduler, micro_batches: Sequence[Dict],
         scheduler.step(increment=1)
     return per_mb, {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
                     "skipped": 0.0 if ok else 1.0, "lr": optimizer.param_groups[0]["lr"]}
+
+
+def write_eval_scores(path: str, iteration: int, result) -> None:
+    """An evaluation's per-sample scores, {"iteration", "prompts", "noises", "scores": {name: [prompt][noise]}},
+    so that runs can be compared or pooled afterwards on the same (prompt, noise) cells."""
+    noises = result.samples_per_prompt
+    tables = result.tables()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    atomic_write_text(path, json.dumps({"iteration": iteration, "prompts": result.prompts[::noises], "noises": noises,
+                                        "scores": {k: v.tolist() for k, v in tables.items()}}))
 
 
 class TrainingRun:
@@ -149,6 +161,8 @@ class TrainingRun:
             logger.log_eval(iteration, result.stats)
         if logger is not None and save_images and self.image_dir:
             logger.image_grid(iteration, result.images[:16], os.path.join(self.image_dir, f"eval_{iteration:06d}.png"))
+        if self.run_dir and is_logging_rank():
+            write_eval_scores(os.path.join(self.run_dir, "eval", f"scores_{iteration:06d}.json"), iteration, result)
         return result
 
     @property
