@@ -37,14 +37,7 @@ RUN_DIR="${RUN_DIR:-$PWD/runs/grpo_wan_$(date +%Y%m%d_%H%M%S)}"
 TINY=0
 if [ -z "${PIPELINE_DIR:-}" ]; then
   TINY=1
-  export MM_GRPO_DEVICE="${MM_GRPO_DEVICE:-cpu}"
-  TESTBED="${MINDSPEED_MM_TESTBED:-$REPO/../shared/mindspeed_mm_testbed}"
-  MINDSPEED_MM="${MINDSPEED_MM:-$TESTBED/MindSpeed-MM}"
-  # MindSpeed-MM's environment (shell/setup_env.sh, MM_GRPO_ENV=mindspeed-mm); MindSpeed-MM imports
-  # torch_npu everywhere, so on a CPU the stand-ins of its test environment take its place (tests/testbed.py).
-  export MM_GRPO_PYTHON="${MM_GRPO_PYTHON:-$REPO/.venv-mindspeed-mm/bin/python}"
-  [ -x "$MM_GRPO_PYTHON" ] || MM_GRPO_ENV=mindspeed-mm bash "$REPO/shell/setup_env.sh"
-  export PYTHONPATH="$REPO/tests/standins:$TESTBED/MindSpeed-MM:$TESTBED/MindSpeed:$TESTBED/Megatron-LM:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+  source "$SCRIPT_DIR/cpu_env.sh"  # MindSpeed-MM's environment on the testbed, torch_npu's stand-ins
 fi
 
 source "$REPO/shell/launch_env.sh"  # PY, DEVICE; CANN's environment on an Ascend machine

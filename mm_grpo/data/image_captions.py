@@ -5,14 +5,21 @@
 
 The column names are configurable (`image_column`, `caption_column`, as in diffusers' training
 scripts). Every row is checked when the folder is opened, so a bad row fails before training.
+
+A video-caption folder has the same layout with each video stored as a filmstrip: its square
+frames side by side in one image, left to right (`filmstrip`, `VideoCaptionDataset`). PNG keeps
+the frames exact, and a strip can be looked at as it is.
 """
 import json
 import os
-from typing import List, Sequence
+from typing import Iterable, List, Sequence, Tuple
 
 import torch
 
+from mm_grpo.files.atomic import atomic_dir
+
 METADATA = "metadata.jsonl"
+DATASET_INFO = "dataset.json"  # how a generated folder was made
 
 
 class ImageCaptionDataset:
@@ -74,3 +81,48 @@ class ImageCaptionDataset:
 
     def captions_of(self, indices: Sequence[int]) -> List[str]:
         return [self.captions[i] for i in indices]
+
+
+def write_caption_folder(out: str, examples: Iterable[Tuple[object, dict]], info: dict,
+                         subfolder: str = "images") -> str:
+    """`out`/<subfolder>/NNNNNN.png and `out`/metadata.jsonl ({"file_name": ..., **row} per line; each
+    example is a (PIL image, row) with the row's "text" the caption), and `out`/dataset.json (`info`:
+    how the folder was made). Built in a temporary sibling folder and renamed, so `out` is never
+    half-written."""
+    with atomic_dir(out) as tmp:
+        os.makedirs(os.path.join(tmp, subfolder))
+        with open(os.path.join(tmp, METADATA), "w") as meta:
+            for i, (image, row) in enumerate(examples):
+                name = f"{subfolder}/{i:06d}.png"
+                image.save(os.path.join(tmp, name))
+                meta.write(json.dumps({"file_name": name, **row}) + "\n")
+        with open(os.path.join(tmp, DATASET_INFO), "w") as f:
+            json.dump(info, f, indent=1)
+    return out
+
+
+# --- videos as filmstrips ------------------------------------------------------------------
+def filmstrip(frames):
+    """Frames [F, H, W, C] (numpy, uint8) -> one image [H, F x W, C]: the frames side by side."""
+    import numpy as np
+    return np.concatenate(list(frames), axis=1)
+
+
+def unstrip(strips: torch.Tensor) -> torch.Tensor:
+    """Filmstrips [..., C, H, F x H] of square frames -> videos [..., F, C, H, H]."""
+    height, width = strips.shape[-2:]
+    if width % height:
+        raise ValueError(f"a filmstrip of square frames is F x its height wide: {height} x {width} is not")
+    frames = strips.unflatten(-1, (width // height, height))  # [..., C, H, F, W]
+    return frames.movedim(-2, -4)
+
+
+class VideoCaptionDataset(ImageCaptionDataset):
+    """A video-caption folder (each video a filmstrip of square frames): `videos(indices)` ->
+    [N, F, 3, H, W] in [0, 1]. Frames are never resized."""
+
+    def __init__(self, folder: str, image_column: str = "file_name", caption_column: str = "text"):
+        super().__init__(folder, image_column, caption_column)
+
+    def videos(self, indices: Sequence[int]) -> torch.Tensor:
+        return unstrip(self.images(indices))

@@ -16,15 +16,14 @@ its own generator seeded by (seed, index), so a dataset is reproducible image by
 """
 import argparse
 import dataclasses
-import json
 import os
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from mm_grpo.data.image_captions import write_caption_folder
 from mm_grpo.data.prompts import write_prompt_files
-from mm_grpo.files.atomic import atomic_dir
 from mm_grpo.settings import add_setting_args, from_args, setting
 
 # Five hues around the colour wheel and two neutral backgrounds: any two of the seven are at
@@ -302,19 +301,9 @@ def generate_dataset(out: str, num_images: int, seed: int = 0, config: ShapesCon
     if num_images < 1:
         raise ValueError(f"num_images must be >= 1, got {num_images}")
     sampler = CaptionSampler(config, prompts, exclude)
-    with atomic_dir(out) as tmp:
-        os.makedirs(os.path.join(tmp, "images"))
-        with open(os.path.join(tmp, "metadata.jsonl"), "w") as meta:
-            for i in range(num_images):
-                image, row = make_example(i, seed, sampler)
-                name = f"images/{i:06d}.png"
-                image.save(os.path.join(tmp, name))
-                meta.write(json.dumps({"file_name": name, **row}) + "\n")
-        with open(os.path.join(tmp, "dataset.json"), "w") as f:
-            json.dump({"generator": "mm_grpo.data.shapes", "num_images": num_images, "seed": seed,
-                       "config": dataclasses.asdict(config), "num_excluded": len(exclude),
-                       "prompts_given": prompts is not None}, f, indent=1)
-    return out
+    info = {"generator": "mm_grpo.data.shapes", "num_images": num_images, "seed": seed,
+            "config": dataclasses.asdict(config), "num_excluded": len(exclude), "prompts_given": prompts is not None}
+    return write_caption_folder(out, (make_example(i, seed, sampler) for i in range(num_images)), info)
 
 
 def _read_lines(paths):

@@ -2,7 +2,8 @@
 
 `UMT5Conditioner.encode` computes what `WanPipeline.encode_prompt` gives as prompt embeddings, and
 `WanVaeDecoder` turns latents into frames in [0, 1] as WanPipeline's last step does, so the
-trainer needs neither the pipeline nor its scheduler.
+trainer needs neither the pipeline nor its scheduler. `encode_video_latents` is the inverse of the
+decoder's first step: the latents a Wan DiT is trained on.
 """
 from pathlib import Path
 
@@ -13,6 +14,9 @@ from mm_grpo.encoders.text import transformers_5
 WAN_VAE_TEMPORAL = 4  # the VAE's stride in time: 4k + 1 frames <-> k + 1 latent frames
 WAN_VAE_SPATIAL = 8  # and in height / width
 WAN_PATCH = (1, 2, 2)  # the DiT's patch (frames, rows, columns) over the latents
+# The DiT's timestep is sigma x 1000: diffusers' WanTransformer3DModel and MindSpeed-MM's wan_flow_match_scheduler
+# (num_train_timesteps 1000 in its configs) alike.
+TIMESTEP_SCALE = 1000.0
 
 
 def video_latent_shape(num_frames, height, width, channels=16):
@@ -35,7 +39,9 @@ def video_token_grid(latent_grid, patch=WAN_PATCH):
     return t // pt, h // ph, w // pw
 
 
-def _folder(pipeline_dir, name, marker="config.json"):
+def component_folder(pipeline_dir, name, marker="config.json"):
+    """`pipeline_dir`/`name`, a folder of a diffusers Wan pipeline; a one-line FileNotFoundError
+    when it has no `marker` file."""
     folder = Path(pipeline_dir) / name
     if not (folder / marker).is_file():
         raise FileNotFoundError(f"no {name}/ in {pipeline_dir} (expected a diffusers Wan pipeline folder)")
@@ -51,7 +57,8 @@ def load_tokenizer(pipeline_dir):
 
     # transformers 5 writes "extra_special_tokens": [] where 4.x expects a mapping.
     kwargs = {} if transformers_5() else {"extra_special_tokens": {}}
-    return T5TokenizerFast.from_pretrained(_folder(pipeline_dir, "tokenizer", "tokenizer_config.json"), **kwargs)
+    folder = component_folder(pipeline_dir, "tokenizer", "tokenizer_config.json")
+    return T5TokenizerFast.from_pretrained(folder, **kwargs)
 
 
 class UMT5Conditioner:
@@ -65,7 +72,7 @@ class UMT5Conditioner:
         self.device = torch.device(device)
         self.max_sequence_length = max_sequence_length
         self.tokenizer = load_tokenizer(pipeline_dir)
-        encoder = UMT5EncoderModel.from_pretrained(_folder(pipeline_dir, "text_encoder"), dtype=dtype)
+        encoder = UMT5EncoderModel.from_pretrained(component_folder(pipeline_dir, "text_encoder"), dtype=dtype)
         self.text_encoder = encoder.to(self.device).eval().requires_grad_(False)
 
     @torch.no_grad()
@@ -98,24 +105,46 @@ class UMT5Conditioner:
         return prompt_embeds, tokens.attention_mask
 
 
+def load_wan_vae(pipeline_dir, device="cpu", dtype=torch.float32):
+    """The AutoencoderKLWan of a Wan pipeline folder, frozen, in eval mode."""
+    from diffusers import AutoencoderKLWan
+
+    vae = AutoencoderKLWan.from_pretrained(component_folder(pipeline_dir, "vae"), torch_dtype=dtype)
+    return vae.to(device).eval().requires_grad_(False)
+
+
+def _normalisation(vae, like):
+    """(mean, 1 / std) [1, C, 1, 1, 1] of the VAE's per-channel latent normalisation, as WanPipeline
+    writes them (it multiplies by 1 / std), so that results match it bit for bit."""
+    cfg = vae.config
+    mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(like)
+    inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(like)
+    return mean, inv_std
+
+
+@torch.no_grad()
+def encode_video_latents(vae, videos):
+    """Videos [B, F, 3, H, W] in [0, 1] (F = 4k + 1) -> the latents a Wan DiT is trained on, [B, C, k + 1,
+    H/8, W/8]: the posterior mode (deterministic), normalised per channel (the inverse of
+    `WanVaeDecoder`'s first step; MindSpeed-MM's `channel_specified_shift_scale`: (z - mean) / std)."""
+    x = videos.to(vae.device, vae.dtype).transpose(1, 2) * 2 - 1  # [B, 3, F, H, W] in [-1, 1]
+    z = vae.encode(x).latent_dist.mode()
+    mean, inv_std = _normalisation(vae, z)
+    return (z - mean) * inv_std
+
+
 class WanVaeDecoder:
     """Latents [B, C, T, h, w] -> frames [B, 4(T - 1) + 1, 3, 8h, 8w] float32 in [0, 1], on the VAE's device."""
 
     def __init__(self, pipeline_dir, device="cpu", dtype=torch.float32):
-        from diffusers import AutoencoderKLWan
-
         self.device = torch.device(device)
-        vae = AutoencoderKLWan.from_pretrained(_folder(pipeline_dir, "vae"), torch_dtype=dtype)
-        self.vae = vae.to(self.device).eval().requires_grad_(False)
+        self.vae = load_wan_vae(pipeline_dir, self.device, dtype)
 
     @torch.no_grad()
     def __call__(self, latents):
-        cfg = self.vae.config
         latents = latents.to(self.device, self.vae.dtype)
-        # Undo the per-channel normalisation the DiT's latent space was trained in, written as
-        # WanPipeline writes it (divide by 1 / std) so that the results match it bit for bit.
-        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(latents)
-        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(latents)
+        # Undo the per-channel normalisation the DiT's latent space was trained in.
+        mean, inv_std = _normalisation(self.vae, latents)
         video = self.vae.decode(latents / inv_std + mean, return_dict=False)[0]  # [B, 3, F, H, W] in [-1, 1]
         # VideoProcessor.postprocess_video(output_type="pt"): [-1, 1] -> [0, 1], frames first.
         return (video * 0.5 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4).float().contiguous()

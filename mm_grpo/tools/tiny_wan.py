@@ -60,28 +60,34 @@ SCHEDULER_CONFIG = dict(
     flow_shift=3.0,
 )
 
-# The same transformer as MindSpeed-MM's `wandit` predictor block (its names; img_dim is used by
-# i2v only).
-TINY_WAN_PREDICTOR = dict(
-    model_id="wandit",
-    model_type="t2v",
-    patch_size=list(WAN_PATCH),
-    text_len=TINY_TEXT_LEN,
-    in_dim=TRANSFORMER_CONFIG["in_channels"],
-    hidden_size=TRANSFORMER_CONFIG["num_attention_heads"] * TRANSFORMER_CONFIG["attention_head_dim"],
-    ffn_dim=TRANSFORMER_CONFIG["ffn_dim"],
-    freq_dim=TRANSFORMER_CONFIG["freq_dim"],
-    text_dim=TRANSFORMER_CONFIG["text_dim"],
-    img_dim=16,
-    out_dim=TRANSFORMER_CONFIG["out_channels"],
-    num_heads=TRANSFORMER_CONFIG["num_attention_heads"],
-    num_layers=TRANSFORMER_CONFIG["num_layers"],
-    qk_norm=True,
-    qk_norm_type="rmsnorm",
-    cross_attn_norm=TRANSFORMER_CONFIG["cross_attn_norm"],
-    eps=TRANSFORMER_CONFIG["eps"],
-    max_seq_len=TRANSFORMER_CONFIG["rope_max_seq_len"],
-)
+
+def wandit_predictor(transformer_config: dict, text_len: int) -> dict:
+    """The same transformer as MindSpeed-MM's `wandit` predictor block (its names; img_dim is used by
+    i2v only) from a diffusers WanTransformer3DModel config, reading `text_len` umT5 tokens."""
+    heads = transformer_config["num_attention_heads"]
+    return dict(
+        model_id="wandit",
+        model_type="t2v",
+        patch_size=list(transformer_config["patch_size"]),
+        text_len=text_len,
+        in_dim=transformer_config["in_channels"],
+        hidden_size=heads * transformer_config["attention_head_dim"],
+        ffn_dim=transformer_config["ffn_dim"],
+        freq_dim=transformer_config["freq_dim"],
+        text_dim=transformer_config["text_dim"],
+        img_dim=16,
+        out_dim=transformer_config["out_channels"],
+        num_heads=heads,
+        num_layers=transformer_config["num_layers"],
+        qk_norm=True,
+        qk_norm_type="rmsnorm",
+        cross_attn_norm=transformer_config["cross_attn_norm"],
+        eps=transformer_config["eps"],
+        max_seq_len=transformer_config["rope_max_seq_len"],
+    )
+
+
+TINY_WAN_PREDICTOR = wandit_predictor(TRANSFORMER_CONFIG, TINY_TEXT_LEN)
 
 
 def build_tiny_wan_components(seed=0):
