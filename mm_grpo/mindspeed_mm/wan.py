@@ -23,18 +23,17 @@ import os
 from typing import Dict, Tuple
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.utils import get_attr_wrapped_model
 
-from mm_grpo.encoders.wan import UMT5Conditioner, WanVaeDecoder, video_latent_shape, video_token_grid
+from mm_grpo.encoders.wan import (TIMESTEP_SCALE, UMT5Conditioner, WanVaeDecoder, video_latent_shape,
+                                  video_token_grid)
 from mm_grpo.mindspeed_mm.predictor import scale_grad
+from mm_grpo.parallel.state import is_last_stage, tensor_from_last_stage
 from mm_grpo.runtime.denoiser import Denoiser
 from mm_grpo.training import components
 
 MODEL_ID = "wandit"
-# MindSpeed-MM's wan_flow_match_scheduler: timesteps = sigmas x num_train_timesteps (1000 in its configs)
-TIMESTEP_SCALE = 1000.0
 DEFAULT_NUM_FRAMES = 81  # Wan2.1's 5 s at 16 fps
 DEFAULT_TEXT_LEN = 512  # Wan2.1's umT5 sequence length
 # WanDiT returns (hidden states, prompt, prompt_emb, time_emb, times, prompt_mask); a stage sends the next
@@ -168,11 +167,8 @@ class WanDenoiser(Denoiser):
             forward_step_func=forward_step, data_iterator=iter(samples), model=[model], num_microbatches=len(samples),
             seq_length=1, micro_batch_size=1, forward_only=True, collect_non_loss_data=True)  # shapes: the config's
         first = samples[0]["hidden_states"]
-        v = torch.cat(outs).to(dtype) if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else \
-            torch.empty((len(samples), *first.shape[1:]), dtype=dtype, device=first.device)
-        dist.broadcast(v, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                       group=parallel_state.get_pipeline_model_parallel_group())
-        return v
+        v = torch.cat(outs).to(dtype) if is_last_stage() else None
+        return tensor_from_last_stage(v, (len(samples), *first.shape[1:]), dtype, first.device)
 
     def forward(self, model, batch):
         dit = get_attr_wrapped_model(model, "pre_process", return_model_obj=True)

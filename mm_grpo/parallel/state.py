@@ -148,3 +148,31 @@ def dp_reduce(value, op=dist.ReduceOp.SUM, device=None) -> float:
 
 def dp_mean(value, device=None) -> float:
     return dp_reduce(value, device=device) / parallel_state.get_data_parallel_world_size()
+
+
+# --- the pipeline group: what the last stage computed, on every stage -----------------------
+def is_last_stage() -> bool:
+    """This rank holds the last pipeline stage. megatron-core 0.12 asks the current virtual stage
+    too unless told not to (0.16 does not by default): the schedule leaves it set to any chunk."""
+    return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+
+
+def _from_last_rank() -> dict:
+    return dict(src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                group=parallel_state.get_pipeline_model_parallel_group())
+
+
+def tensor_from_last_stage(tensor: Optional[torch.Tensor], shape, dtype, device) -> torch.Tensor:
+    """The last stage's `tensor` on every rank of the pipeline group: the other stages pass None and
+    receive it in a new tensor of `shape`, `dtype` on `device`."""
+    if not is_last_stage():
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+    dist.broadcast(tensor, **_from_last_rank())
+    return tensor
+
+
+def object_from_last_stage(obj):
+    """The last stage's picklable `obj` on every rank of the pipeline group (the others pass None)."""
+    box = [obj]
+    dist.broadcast_object_list(box, **_from_last_rank())
+    return box[0]

@@ -11,7 +11,6 @@ import os
 from typing import Callable, Dict, List, Sequence
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_attr_wrapped_model
@@ -23,6 +22,7 @@ from mm_grpo.models.flux.config import FluxConfig
 from mm_grpo.models.flux.hf_weights import check_hf_weights, load_hf_weights, open_diffusers_weights
 from mm_grpo.models.flux.model import FluxTransformer, transformer_config
 from mm_grpo.parallel.pipeline_layout import PPLayers, normalize_pp_layers, stage_specs
+from mm_grpo.parallel.state import is_last_stage, object_from_last_stage, tensor_from_last_stage
 from mm_grpo.parallel.ulysses import SequenceShard
 
 # The keyword arguments of FluxTransformer.forward (diffusers' names); other keys of a
@@ -130,19 +130,6 @@ def _run_schedule(model_chunks, micro_batches, loss_func, forward_only, collect_
         forward_only=forward_only, collect_non_loss_data=collect_non_loss_data)
 
 
-def _last_stage() -> bool:
-    """This rank holds the last pipeline stage. megatron-core 0.12 asks the current virtual stage
-    too unless told not to (0.16 does not by default): the schedule leaves it set to any chunk."""
-    return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-
-
-def _broadcast_from_last_stage(obj):
-    box = [obj]
-    dist.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                               group=parallel_state.get_pipeline_model_parallel_group())
-    return box[0]
-
-
 # --- training -------------------------------------------------------------------------
 def forward_backward(model_chunks: Sequence[FluxTransformer], micro_batches: Sequence[Dict],
                      loss_fn: Callable, forward_only: bool = False) -> List[Dict]:
@@ -163,10 +150,8 @@ def forward_backward(model_chunks: Sequence[FluxTransformer], micro_batches: Seq
         return loss, {"loss": loss.detach().clone(), **stats}
 
     results = _run_schedule(model_chunks, micro_batches, loss_func, forward_only)
-    if not _last_stage():
-        return _broadcast_from_last_stage(None)
-    return _broadcast_from_last_stage([{k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in r.items()}
-                                       for r in results])
+    return object_from_last_stage([{k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in r.items()}
+                                   for r in results] if is_last_stage() else None)
 
 
 # --- pipelined inference for the rollout -------------------------------------------------
@@ -219,11 +204,7 @@ def make_velocity_fn(model_chunks: Sequence[FluxTransformer], cond: Dict, micro_
         with torch.no_grad():
             outs = _run_schedule(model_chunks, micro_batches + micro_batches[-1:] * padding,
                                  lambda out, batch: out, forward_only=True, collect_non_loss_data=True)
-        v = torch.empty(batch, x.shape[1], config.output_channels, dtype=x.dtype, device=x.device)
-        if _last_stage():
-            v = torch.cat(outs[:num_microbatches]).to(x.dtype)
-        dist.broadcast(v, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                       group=parallel_state.get_pipeline_model_parallel_group())
-        return v
+        v = torch.cat(outs[:num_microbatches]).to(x.dtype) if is_last_stage() else None
+        return tensor_from_last_stage(v, (batch, x.shape[1], config.output_channels), x.dtype, x.device)
 
     return velocity_fn
