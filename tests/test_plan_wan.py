@@ -189,12 +189,12 @@ def test_layouts_only_divide():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--devices", "8", "--tp", "2"], "--tp 2: Wan2.1 runs with TP 1: its WanDiT's q/k RMSNorm spans the whole "
-                                       "hidden size"),
+    (["--devices", "8", "--tp", "2"], "--tp 2: Wan2.1 runs with TP 1: MindSpeed-MM's wandit does not shard "
+                                       "under tensor parallelism"),
     (["--devices", "24", "--cp", "3"], "--cp 3: 40 heads do not split over CP 3"),
     (["--devices", "8", "--cp", "4", "--width", "848"], "--cp 4: 33390 video tokens do not split over CP 4"),
     (["--devices", "24", "--pp", "3"], "--pp 3 does not divide the model's 40 blocks"),
-    (["--devices", "8", "--micro-batch-size", "2"], "micro-batch of 1"),
+    (["--devices", "8", "--micro-batch-size", "2"], "--micro-batch-size 2: MindSpeed-MM's wandit computes one sample per micro-batch"),
     (["--devices", "8", "--frames", "80"], "--frames 80 must be 4k + 1"),
     (["--devices", "8", "--pipeline-num-layers", "10", "10"], "must be positive and sum to the model's 40 blocks"),
 ])

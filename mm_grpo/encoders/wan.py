@@ -17,6 +17,11 @@ WAN_PATCH = (1, 2, 2)  # the DiT's patch (frames, rows, columns) over the latent
 # The DiT's timestep is sigma x 1000: diffusers' WanTransformer3DModel and MindSpeed-MM's wan_flow_match_scheduler
 # (num_train_timesteps 1000 in its configs) alike.
 TIMESTEP_SCALE = 1000.0
+# The layouts MindSpeed-MM's WanDiT (wan_dit.py) does not run, for the launch check and the planner alike.
+WANDIT_TP_REASON = ("MindSpeed-MM's wandit does not shard under tensor parallelism: its q / k RMSNorm spans the "
+                    "whole hidden size (and its WanConverter has TP disabled)")
+WANDIT_MICRO_BATCH_REASON = ("MindSpeed-MM's wandit computes one sample per micro-batch correctly: its head's "
+                             "modulation has no sample axis")
 
 
 def video_latent_shape(num_frames, height, width, channels=16):

@@ -26,8 +26,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.utils import get_attr_wrapped_model
 
-from mm_grpo.encoders.wan import (TIMESTEP_SCALE, UMT5Conditioner, WanVaeDecoder, video_latent_shape,
-                                  video_token_grid)
+from mm_grpo.encoders.wan import (TIMESTEP_SCALE, WANDIT_MICRO_BATCH_REASON, WANDIT_TP_REASON, UMT5Conditioner,
+                                  WanVaeDecoder, video_latent_shape, video_token_grid)
 from mm_grpo.mindspeed_mm.predictor import scale_grad
 from mm_grpo.parallel.state import is_last_stage, tensor_from_last_stage
 from mm_grpo.runtime.denoiser import Denoiser
@@ -84,11 +84,10 @@ def check_wan_launch(args, model_cfg: dict):
     """One line for each layout MindSpeed-MM's WanDiT does not run (see the module docstring), and for
     a text encoder or VAE that is not Wan's."""
     if args.micro_batch_size != 1:
-        raise ValueError(f"--micro-batch-size {args.micro_batch_size}: MindSpeed-MM's wandit computes one sample per "
-                         "micro-batch correctly (its head's modulation has no sample axis): use --micro-batch-size 1")
+        raise ValueError(f"--micro-batch-size {args.micro_batch_size}: {WANDIT_MICRO_BATCH_REASON}: use "
+                         "--micro-batch-size 1")
     if args.tensor_model_parallel_size != 1:
-        raise ValueError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: MindSpeed-MM's wandit does "
-                         "not shard under tensor parallelism (its q / k RMSNorm spans the whole hidden size): use "
+        raise ValueError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: {WANDIT_TP_REASON}: use "
                          "--context-parallel-size (Ulysses) and data parallelism")
     frames, height, width = video_size(model_cfg)
     tokens = video_tokens(model_cfg)

@@ -28,14 +28,14 @@ import math
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from mm_grpo.encoders.wan import WAN_VAE_TEMPORAL, video_latent_shape, video_token_grid
+from mm_grpo.encoders.wan import (WAN_VAE_TEMPORAL, WANDIT_MICRO_BATCH_REASON, WANDIT_TP_REASON, video_latent_shape,
+                                  video_token_grid)
 from mm_grpo.plan import formulas as f
 from mm_grpo.plan import frozen_parts
 from mm_grpo.settings import setting
 
-TP_REASON = ("Wan2.1 runs with TP 1: its WanDiT's q/k RMSNorm spans the whole hidden size, so it does not "
-             "shard under TP (MindSpeed-MM's WanConverter has TP disabled)")
-MICRO_BATCH_REASON = "MindSpeed-MM's WanDiT takes a micro-batch of 1 (its head modulation is only right for one sample)"
+TP_REASON = f"Wan2.1 runs with TP 1: {WANDIT_TP_REASON}"
+MICRO_BATCH_REASON = WANDIT_MICRO_BATCH_REASON
 # Tokens of the image reward's ViT-H-14 image tower on the scored frame (formulas.py counts its FLOPs so)
 REWARD_TOKENS = 257
 NEAR_FASTEST = 1.02  # fitting layouts this close to the fastest in seconds per video rank by memory
