@@ -107,12 +107,13 @@ class BatchScorer:
                 for job in batch:
                     job.result.set_exception(e)
                 continue
+            # Counted before any request is answered: a client that has its scores sees them counted.
+            self.scored_images += len(total)
             start = 0
             for job in batch:
                 rows = slice(start, start + len(job.prompts))
                 job.result.set_result((total[rows], {name: v[rows] for name, v in terms.items()}))
                 start = rows.stop
-            self.scored_images += start
 
 
 def read_reward_configs(path: str) -> list:
