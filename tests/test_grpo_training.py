@@ -360,6 +360,11 @@ def test_bf16_is_refused_on_cpu_before_any_work(parallel_1proc, configs):
         _error(grpo_argv(*configs, extra=["--bf16"]))
 
 
+def test_cfg_scale_is_refused_for_flux_before_any_work(parallel_1proc, configs):
+    with pytest.raises(ValueError, match=r"^--cfg-scale 4.5: FLUX.1 is guidance-distilled .* \(--guidance-scale\)"):
+        _error(grpo_argv(*configs, extra=["--cfg-scale", "4.5"]))
+
+
 def test_held_out_evaluation_and_figures(parallel_1proc, tiny_pipeline_dir, tmp_path):
     """Evaluation before training and at the end (fixed ODE noise: equal weights give equal
     scores), sample grids every --save-image-interval (an evaluation of its own between the

@@ -287,6 +287,8 @@ REFUSALS = {
                                             _tracker(t / "ckpt", 1)],
                                  r"--kl-beta > 0 needs the starting weights: predictor.from_pretrained"),
     "max_skipped": (["--max-skipped-iterations", "-1"], r"--max-skipped-iterations must be >= 0, got -1"),
+    "cfg_flux": (["--cfg-scale", "5"], r"^--cfg-scale 5.0: FLUX.1 is guidance-distilled .* \(--guidance-scale\)"),
+    "cfg_below_1": (["--cfg-scale", "0.5"], r"--cfg-scale must be >= 1.0, got 0.5"),
     "prompt_file": (lambda t: ["--mm-data", "{missing_prompts}"], r"prompt file not found"),
 }
 

@@ -3,8 +3,11 @@
 - The DiT MindSpeed-MM's `PredictModel` builds, loaded from `mm-convert WanConverter hf_to_mm` (MindSpeed-MM's
   own converter through mm-convert), gives diffusers' WanTransformer3DModel's velocity on the same weights,
   one sample at a time; two samples in one call mix (the reason the Wan path runs one per micro-batch).
-- `examples/wan/grpo_wan.sh` as shipped (its tiny CPU run: DP 2) trains what one process trains, and what
-  Ulysses CP 2 trains: the logged losses, rewards and gradient norms and the saved weights, 3 iterations.
+- With classifier-free guidance, its velocity is the one diffusers' WanPipeline steps with (guidance_scale 5,
+  the same negative prompt).
+- `examples/wan/grpo_wan.sh` as shipped (its tiny CPU run: DP 2, CFG 5) trains what one process trains, and
+  what Ulysses CP 2 and PP 2 train: the logged losses, rewards and gradient norms and the saved weights,
+  3 iterations.
 - One line for the layouts the Wan path refuses: TP 2, micro-batch 2, a CP size that does not divide the
   video tokens, a frame count the VAE cannot take; and a FLUX predictor under a Wan model.json.
 """
@@ -76,17 +79,23 @@ def _megatron_args(tmp_path):
     set_megatron_args(*paths, micro_batch=1)
 
 
-def test_wandit_from_mindspeed_mms_converter_gives_diffusers_velocity(parallel_1proc, tiny_wan, tmp_path):
-    from diffusers import WanTransformer3DModel
+def _wandit(tmp_path, converted):
+    """MindSpeed-MM's PredictModel (wandit, fp32) with the weights `mm-convert WanConverter hf_to_mm` wrote."""
     from mindspeed_mm.configs.config import ConfigReader
     from mindspeed_mm.models.predictor import PredictModel
-    from mm_grpo.mindspeed_mm.wan import TIMESTEP_SCALE, WanDenoiser
-    pipeline, converted = tiny_wan
     _megatron_args(tmp_path)
     model = PredictModel(ConfigReader(dict(TINY_WAN_PREDICTOR, dtype="fp32"))).get_model()
     state = torch.load(converted / "release" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)["model"]
     model.load_state_dict(state, strict=False)  # strict=False: the TE-style `_extra_state` entries it adds itself
     assert set(state) == {k for k in model.state_dict() if not k.endswith("_extra_state")}
+    return model
+
+
+def test_wandit_from_mindspeed_mms_converter_gives_diffusers_velocity(parallel_1proc, tiny_wan, tmp_path):
+    from diffusers import WanTransformer3DModel
+    from mm_grpo.mindspeed_mm.wan import TIMESTEP_SCALE, WanDenoiser
+    pipeline, converted = tiny_wan
+    model = _wandit(tmp_path, converted)
     reference = WanTransformer3DModel.from_pretrained(pipeline / "transformer").eval()
 
     g = torch.Generator().manual_seed(0)
@@ -98,6 +107,41 @@ def test_wandit_from_mindspeed_mms_converter_gives_diffusers_velocity(parallel_1
         assert rel_err(ours, theirs) < 1e-5
         together = model(x[:2], sigma[:2] * TIMESTEP_SCALE, prompt[:2])[0]  # two samples in one call
     assert rel_err(together, theirs[:2]) > 1e-2
+
+
+def test_guided_velocity_is_what_wan_pipeline_steps_with(parallel_1proc, tiny_wan, tmp_path):
+    """--cfg-scale 5: the velocity of the rollout and the trained steps (wandit, conditional and
+    unconditional in one call of 2 samples) is the one diffusers' WanPipeline, at guidance_scale 5 with
+    the same negative prompt, hands its scheduler at each step (two transformer calls there)."""
+    from diffusers import WanPipeline
+    from mm_grpo.encoders.wan import WAN_NEGATIVE_PROMPT, UMT5Conditioner, load_tokenizer
+    from mm_grpo.mindspeed_mm.wan import TIMESTEP_SCALE, WanDenoiser
+    from mm_grpo.tools.tiny_wan import TINY_TEXT_LEN
+    pipeline, converted = tiny_wan
+    model = _wandit(tmp_path, converted)
+    pipe = WanPipeline.from_pretrained(pipeline, tokenizer=None)
+    pipe.register_modules(tokenizer=load_tokenizer(pipeline))
+    steps, scheduler_step = [], pipe.scheduler.step
+
+    def recording_step(model_output, t, sample, *args, **kwargs):
+        steps.append((model_output.clone(), float(t), sample.clone()))
+        return scheduler_step(model_output, t, sample, *args, **kwargs)
+
+    pipe.scheduler.step = recording_step
+    prompt, cfg = "a red circle moving right", 5.0
+    pipe(prompt, negative_prompt=WAN_NEGATIVE_PROMPT, height=32, width=32, num_frames=5, num_inference_steps=3,
+         guidance_scale=cfg, max_sequence_length=TINY_TEXT_LEN, output_type="latent",
+         generator=torch.Generator().manual_seed(0))
+    conditioner = UMT5Conditioner(pipeline, max_sequence_length=TINY_TEXT_LEN)
+    text = conditioner.encode([prompt])
+    guided = WanDenoiser((4, 2, 4, 4), cfg, conditioner.encode([WAN_NEGATIVE_PROMPT]))
+    velocities = {name: d.velocity_fn([model], d.conditioning(text, None, "cpu"), 1)
+                  for name, d in (("guided", guided), ("conditional", WanDenoiser((4, 2, 4, 4))))}
+    assert len(steps) == 3
+    for expected, t, x in steps:
+        sigma = torch.tensor([t / TIMESTEP_SCALE])
+        assert rel_err(velocities["guided"](x, sigma), expected) < 1e-5, t
+        assert rel_err(velocities["conditional"](x, sigma), expected) > 1e-2  # guidance moves it
 
 
 def _run(tmp_path, name, **variables):

@@ -28,6 +28,9 @@
 #   G STEPS K ITERS LR SEED KL_BETA  generations per prompt, denoising steps, trained steps per sample
 #                  (DanceGRPO: 0.6 of the SDE steps), iterations, learning rate, seed, KL weight
 #   SAMPLER POLICY_LOSS CLIP   rollout step, objective, clip range (as grpo_flux.sh)
+#   CFG            classifier-free guidance scale of the rollout and the trained steps (default 5: DanceGRPO's
+#                  Wan recipe, diffusers' WanPipeline and MindSpeed-MM's Wan inference; 1: none, half the DiT
+#                  work); the unconditional prompt is MindSpeed-MM's Wan2.1 negative prompt (--negative-prompt)
 #   RUN_DIR        output folder (log, TensorBoard, checkpoints; the tiny run's pipeline and prompts)
 set -euo pipefail
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -91,7 +94,7 @@ GPT_ARGS="--tensor-model-parallel-size 1 --pipeline-model-parallel-size $PP \
   --recompute-num-layers ${RECOMPUTE_LAYERS:-30} --use-fused-rmsnorm"
 MM_ARGS="--mm-model ${MODEL_JSON:-$SCRIPT_DIR/model.json} --mm-data ${DATA_JSON:-$SCRIPT_DIR/data.json} \
   --mm-tool ${MM_TOOL:-$MINDSPEED_MM/mindspeed_mm/tools/tools.json}"
-GRPO_ARGS="--num-generations $G --num-inference-steps $STEPS --sampler ${SAMPLER:-dance_sde} \
+GRPO_ARGS="--num-generations $G --num-inference-steps $STEPS --sampler ${SAMPLER:-dance_sde} --cfg-scale ${CFG:-5} \
   --policy-loss ${POLICY_LOSS:-ppo} --timestep-fraction ${TIMESTEP_FRACTION:-0.6} --clip-range ${CLIP:-1e-4} \
   --kl-beta ${KL_BETA:-0} --max-skipped-iterations ${MAX_SKIPPED:-10} --eval-prompts ${EVAL_PROMPTS:-8}"
 OUTPUT_ARGS="--log-interval 1 --save-interval ${SAVE_INTERVAL:-50} --eval-interval ${EVAL_INTERVAL:-50} \

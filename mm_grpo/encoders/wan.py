@@ -17,6 +17,13 @@ WAN_PATCH = (1, 2, 2)  # the DiT's patch (frames, rows, columns) over the latent
 # The DiT's timestep is sigma x 1000: diffusers' WanTransformer3DModel and MindSpeed-MM's wan_flow_match_scheduler
 # (num_train_timesteps 1000 in its configs) alike.
 TIMESTEP_SCALE = 1000.0
+# The unconditional prompt of classifier-free guidance: MindSpeed-MM's Wan2.1 default (its wan_pipeline.py's
+# NEGATIVE_PROMOPT_DEFAULT, Wan2.1's own negative prompt in English).
+WAN_NEGATIVE_PROMPT = ("Bright tones, overexposed, static, blurred details, subtitles, style, works, paintings, "
+                       "images, static, overall gray, worst quality, low quality, JPEG compression residue, ugly, "
+                       "incomplete, extra fingers, poorly drawn hands, poorly drawn faces, deformed, disfigured, "
+                       "misshapen limbs, fused fingers, still picture, messy background, three legs, many people in "
+                       "the background, walking backwards")
 # The layouts MindSpeed-MM's WanDiT (wan_dit.py) does not run, for the launch check and the planner alike.
 WANDIT_TP_REASON = ("MindSpeed-MM's wandit does not shard under tensor parallelism: its q / k RMSNorm spans the "
                     "whole hidden size (and its WanConverter has TP disabled)")

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from mm_grpo.encoders.wan import WAN_NEGATIVE_PROMPT
 from mm_grpo.flow import noisy_latents
 from mm_grpo.grpo.advantages import NonFiniteRewardError, group_advantages, optimality_probability
 from mm_grpo.grpo.loss import awm_loss, grpo_loss, guard_step_weight, nft_loss
@@ -135,6 +136,12 @@ class GRPOSettings:
     noise_level: Optional[float] = setting(None, "eta / noise level (sampler default)")
     init_same_noise: bool = setting(False, "same initial noise within a group")
     guidance_scale: float = setting(FLUX_DEV_GUIDANCE, "guidance embedding value (FLUX.1-dev)")
+    cfg_scale: float = setting(
+        1.0, "classifier-free guidance of a model without a guidance embedding (Wan): the velocity v_uncond + "
+             "s (v_cond - v_uncond) in the rollout and in the trained steps, DanceGRPO's --cfg_infer (its Wan "
+             "recipe: 5); 1: none", minimum=1.0)
+    negative_prompt: str = setting(WAN_NEGATIVE_PROMPT, "the unconditional prompt of --cfg-scale (default: "
+                                                        "MindSpeed-MM's Wan2.1 negative prompt)")
     height: int = 64  # image size (the trainer's --height / --width, else model.json)
     width: int = 64
     timestep_selection: str = setting(

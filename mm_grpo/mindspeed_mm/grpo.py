@@ -199,6 +199,8 @@ def _check_launch(argv) -> Launch:
                          f"of {args.tensor_model_parallel_size} x {args.context_parallel_size} x "
                          f"{args.pipeline_model_parallel_size}")
     settings = grpo_settings(args, model_cfg, args.world_size // model_parallel)
+    if not wan.is_wan(model_cfg):
+        components.check_flux_guidance(settings)
     u, start = settings.updates_per_rollout, resumed_iteration(args)
     check_rollout_boundary(start, u)
     for flag, value in (("--save-interval", args.save_interval), ("--train-iters", args.train_iters)):

@@ -7,7 +7,10 @@ pipeline stage. What it runs, measured against diffusers' WanTransformer3DModel
 (tests/test_wan_grpo.py), and therefore what this module refuses in one line:
 - a micro-batch of one sample: its output head adds the [B, D] time embedding to a [1, 2, D]
   modulation table without a sample axis, which mixes the samples of a micro-batch of 2 and fails
-  beyond (MindSpeed-MM's Wan scripts all run --micro-batch-size 1);
+  beyond (MindSpeed-MM's Wan scripts all run --micro-batch-size 1). Classifier-free guidance runs
+  a sample's conditional and unconditional velocity as one call of 2 samples at one timestep, whose
+  time embeddings are equal, so the head computes what two calls compute (tested against
+  diffusers' WanPipeline);
 - tensor parallel size 1: its q / k RMSNorm spans the whole hidden size, which a tensor-parallel
   shard does not hold (MindSpeed-MM's Wan scripts run TP 1; its WanConverter does not split for TP);
 - Ulysses context parallelism over the video tokens, T x h/2 x w/2 of them, which CP must divide;
@@ -20,7 +23,7 @@ import dataclasses
 import json
 import math
 import os
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
@@ -118,34 +121,55 @@ def check_wan_pipeline_stages(args, predictor: dict):
 
 def stage_tensor_shapes(args, model_cfg: dict) -> list:
     """What one stage sends the next for a micro-batch of one sample (`STAGE_OUTPUTS`), as MindSpeed's
-    multi-tensor schedule takes it (`config.pipeline_tensor_shapes`)."""
+    multi-tensor schedule takes it (`config.pipeline_tensor_shapes`); under classifier-free guidance
+    the micro-batch runs as 2 samples (`WanDenoiser.forward`)."""
     predictor = model_cfg["predictor"]
     hidden, dtype = predictor["hidden_size"], args.params_dtype
-    return [{"shape": (1, video_tokens(model_cfg) // args.context_parallel_size, hidden), "dtype": dtype},
-            {"shape": (1, predictor["text_len"], hidden), "dtype": dtype},
-            {"shape": (1, NUM_MODULATIONS, hidden), "dtype": dtype},
-            {"shape": (1, hidden), "dtype": dtype}]
+    b = 2 if args.cfg_scale != 1 else 1
+    return [{"shape": (b, video_tokens(model_cfg) // args.context_parallel_size, hidden), "dtype": dtype},
+            {"shape": (b, predictor["text_len"], hidden), "dtype": dtype},
+            {"shape": (b, NUM_MODULATIONS, hidden), "dtype": dtype},
+            {"shape": (b, hidden), "dtype": dtype}]
 
 
 @dataclasses.dataclass(frozen=True)
 class WanDenoiser(Denoiser):
-    """MindSpeed-MM's WanDiT on video latents [C, T, h, w], text as umT5 features [L, D]."""
+    """MindSpeed-MM's WanDiT on video latents [C, T, h, w], text as umT5 features [L, D]; with
+    `cfg_scale` > 1, classifier-free guidance against `negative` (the unconditional prompt's [1, L, D])."""
     latent_shape: Tuple[int, int, int, int]
+    cfg_scale: float = 1.0
+    negative: Optional[torch.Tensor] = dataclasses.field(default=None, compare=False, repr=False)
 
     per_sample_keys = ("prompt",)
-    shared_keys = ()
+
+    def __post_init__(self):
+        if self.guided and self.negative is None:
+            raise ValueError(f"cfg_scale {self.cfg_scale} needs the negative prompt's features")
+
+    @property
+    def guided(self) -> bool:
+        return self.cfg_scale != 1
+
+    @property
+    def shared_keys(self) -> Tuple[str, ...]:
+        return ("negative_prompt",) if self.guided else ()
 
     def conditioning(self, text, rows, device) -> Dict:
         embeds = text if rows is None else text[rows.to(text.device)]
-        return {"prompt": embeds.to(device)}
+        cond = {"prompt": embeds.to(device)}
+        if self.guided:
+            cond["negative_prompt"] = self.negative.to(device)
+        return cond
 
     def velocity_fn(self, chunks, cond, micro_batch_size):
         if len(chunks) != 1:
             raise ValueError("wandit runs one model chunk per rank (no virtual pipeline stages)")
         model, prompt = chunks[0], cond["prompt"]
 
+        shared = {key: cond[key] for key in self.shared_keys}
+
         def velocity(x, sigma):  # one sample per micro-batch, whatever the batch (see the module docstring)
-            samples = [{"hidden_states": x[i:i + 1], "prompt": prompt[i:i + 1], "timestep": sigma[i:i + 1]}
+            samples = [{"hidden_states": x[i:i + 1], "prompt": prompt[i:i + 1], "timestep": sigma[i:i + 1], **shared}
                        for i in range(x.shape[0])]
             with torch.no_grad():
                 if parallel_state.get_pipeline_model_parallel_world_size() == 1:
@@ -171,9 +195,13 @@ class WanDenoiser(Denoiser):
 
     def forward(self, model, batch):
         dit = get_attr_wrapped_model(model, "pre_process", return_model_obj=True)
-        x, timestep = batch["hidden_states"], batch["timestep"] * TIMESTEP_SCALE
+        x, sigma, prompt = batch["hidden_states"], batch["timestep"], batch["prompt"]
+        if self.guided:  # the conditional and the unconditional velocity in one call of 2 samples
+            x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])
+            prompt = torch.cat([prompt, batch["negative_prompt"].expand_as(prompt)])
+        timestep = sigma * TIMESTEP_SCALE
         if dit.pre_process:
-            out = model(x, timestep, batch["prompt"])
+            out = model(x, timestep, prompt)
         else:  # the previous stage's STAGE_OUTPUTS, which Megatron's schedule set as the input tensor
             hidden, prompt_emb, time_emb, times = dit.input_tensor
             out = model(hidden, timestep, None, prompt_emb=prompt_emb, time_emb=time_emb, times=times,
@@ -182,7 +210,11 @@ class WanDenoiser(Denoiser):
             return [out[i] for i in STAGE_OUTPUTS]
         # Every CP rank holds the whole velocity (the DiT gathers it, scaling its gradient by CP on the way
         # back) and Megatron scales the loss by CP again; MindSpeed-MM's loss divides by CP, so this does.
-        return scale_grad(out[0], 1 / parallel_state.get_context_parallel_world_size())
+        v = scale_grad(out[0], 1 / parallel_state.get_context_parallel_world_size())
+        if self.guided:
+            v_cond, v_uncond = v.chunk(2)
+            v = v_uncond + self.cfg_scale * (v_cond - v_uncond)
+        return v
 
 
 def wan_parts(model_cfg, settings, policy, device, dtype):
@@ -195,4 +227,6 @@ def wan_parts(model_cfg, settings, policy, device, dtype):
     vae = WanVaeDecoder(components.block(ae, "from_pretrained", "ae"), device=device, dtype=dtype)
     frames, height, width = video_size(model_cfg)
     shape = video_latent_shape(frames, height, width, model_cfg["predictor"].get("in_dim", 16))
-    return encoder.encode, (lambda latents, height, width: vae(latents)), WanDenoiser(shape)
+    negative = encoder.encode([settings.negative_prompt]) if settings.cfg_scale != 1 else None
+    denoiser = WanDenoiser(shape, settings.cfg_scale, negative)
+    return encoder.encode, (lambda latents, height, width: vae(latents)), denoiser

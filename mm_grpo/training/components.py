@@ -119,6 +119,13 @@ def grpo_reward(model_cfg, prompts, device) -> CombinedReward:
     return reward
 
 
+def check_flux_guidance(settings):
+    """FLUX.1 takes its guidance as an embedding (--guidance-scale): --cfg-scale is refused in one line."""
+    if settings.cfg_scale != 1:
+        raise ValueError(f"--cfg-scale {settings.cfg_scale}: FLUX.1 is guidance-distilled and takes its guidance as "
+                         "an embedding (--guidance-scale); classifier-free guidance is for models without one (Wan)")
+
+
 def flux_parts(model_cfg, settings, policy, device, dtype):
     """(conditioner, decoder, denoiser) of a FLUX run: model.json's text encoders and VAE decoder."""
     return (conditioner(block(model_cfg, "text_encoder", MODEL_FLAG), device, dtype),

@@ -64,6 +64,7 @@ class GRPORun(ConfiguredRun):
         self.settings = from_args(GRPOSettings, args, global_batch_size=args.global_batch_size or args.num_generations,
                                   height=height, width=width)
         self.settings.check(parallel_state.get_data_parallel_world_size())
+        components.check_flux_guidance(self.settings)
         # The policy.
         self.model = build_trainable(args, self.flux_config, self.predictor, parallel)
         ref_policy = None
