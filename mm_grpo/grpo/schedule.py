@@ -214,6 +214,9 @@ class GRPOSettings:
                              "is Flow-GRPO's constant-free squared error: use --sampler dance_sde or flow_sde")
         if self.step_reweight and self.policy_loss != "ppo":
             raise ValueError("--step-reweight weighs PPO's per-step terms: it needs --policy-loss ppo")
+        if self.negative_prompt != WAN_NEGATIVE_PROMPT and self.cfg_scale == 1:
+            raise ValueError("--negative-prompt is the unconditional prompt of classifier-free guidance, which is "
+                             "off: add --cfg-scale > 1")
         if not self.nft_beta > 0:
             raise ValueError(f"--nft-beta must be > 0, got {self.nft_beta}")
         part = self.reward_overlap_groups * g
