@@ -165,7 +165,6 @@ class WanDenoiser(Denoiser):
         if len(chunks) != 1:
             raise ValueError("wandit runs one model chunk per rank (no virtual pipeline stages)")
         model, prompt = chunks[0], cond["prompt"]
-
         shared = {key: cond[key] for key in self.shared_keys}
 
         def velocity(x, sigma):  # one sample per micro-batch, whatever the batch (see the module docstring)
