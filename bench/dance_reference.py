@@ -51,6 +51,10 @@ class DanceGRPOReference:
         from diffusers import FluxTransformer2DModel
         self.s, self.device, self.eta = settings, torch.device(device), eta
         self.transformer = FluxTransformer2DModel.from_pretrained(transformer_dir).to(self.device)
+        if self.device.type == "cuda":
+            # cuDNN's SDPA backward fails on diffusers' attention here (torch 2.11, H100:
+            # "mha_graph.execute(...).is_good()" in the first backward); flash attention runs it.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         if checkpointing:
             self.transformer.enable_gradient_checkpointing()
         self.optimizer = torch.optim.AdamW(self.transformer.parameters(), lr=lr, betas=(0.9, 0.999),

@@ -7,6 +7,9 @@ Backward costs twice the forward for every product whose input needs a gradient,
 once (the weight gradient only) for the products that read the model inputs: the x /
 context embedders and the first layers of the timestep, guidance and pooled-text MLPs.
 Activation recomputation is not counted (it is overhead, not model work).
+LoRA (`lora_rank`, rank r on the attention and MLP linears of every block, the recommended
+targets) adds the adapters' products; on a frozen base (`lora_backward`) no weight gradient is
+taken, and nothing before the first block's input projection needs a gradient at all.
 `tests/test_flops.py` checks these counts against torch's FlopCounterMode.
 """
 import dataclasses
@@ -23,20 +26,39 @@ class FluxFlops:
     vectors: int  # linears applied to one vector per sample (time/text embedders, adaLN)
     attention: int  # q k^T and softmax(.) v
     input_side: int  # the part of `tokens + vectors` whose inputs need no gradient
+    embed_in: int = 0  # the x / context embedders (in `tokens` and `input_side`)
+    first_projection: int = 0  # the first block's input projection(s): qkv, or a single block's linear_in
+    lora: int = 0  # LoRA adapters' products (A then B on every target linear)
+    first_lora_a: int = 0  # the first block's input projections' A products
 
     @property
     def forward(self) -> int:
-        return self.tokens + self.vectors + self.attention
+        return self.tokens + self.vectors + self.attention + self.lora
 
     @property
     def backward(self) -> int:
+        """Full fine-tuning: weight and input gradients of every product."""
+        if self.lora:
+            raise ValueError("a LoRA count's backward is lora_backward (the base is frozen)")
         return 2 * self.forward - self.input_side
 
+    @property
+    def lora_backward(self) -> int:
+        """LoRA on a frozen base: the token linears' input gradients from the first block's output
+        projection on (its input projections read activations that need no gradient, as do the
+        embedders and every per-sample vector), attention's two products twice, and the adapters'
+        weight and input gradients (but the first A's input gradient)."""
+        return (self.tokens - self.embed_in - self.first_projection + 2 * self.attention
+                + 2 * self.lora - self.first_lora_a)
 
-def flux_flops(config: FluxConfig, n_txt: int, n_img: int) -> FluxFlops:
-    """FLOPs of FLUX on one sample of `n_txt` text and `n_img` image tokens."""
+
+def flux_flops(config: FluxConfig, n_txt: int, n_img: int, lora_rank: int = 0) -> FluxFlops:
+    """FLOPs of FLUX on one sample of `n_txt` text and `n_img` image tokens (with LoRA adapters of
+    rank `lora_rank` on the attention and MLP linears of every block)."""
     d, f, s = config.hidden_size, config.mlp_hidden_size, n_txt + n_img
     mm = lambda rows, fan_in, fan_out: 2 * rows * fan_in * fan_out  # noqa: E731
+    # An adapter on a fan_in -> fan_out linear: fan_in -> r, then r -> fan_out.
+    adapter = lambda fan_in, fan_out: mm(s, fan_in, lora_rank) + mm(s, lora_rank, fan_out)  # noqa: E731
     # Per block, one stream's tokens: double = qkv + out proj + MLP; single = [qkv | mlp] in + out.
     double_tok = s * (mm(1, d, 3 * d) + mm(1, d, d) + mm(1, d, f) + mm(1, f, d))
     single_tok = s * (mm(1, d, 3 * d + f) + mm(1, d + f, d))
@@ -47,7 +69,11 @@ def flux_flops(config: FluxConfig, n_txt: int, n_img: int) -> FluxFlops:
     embedders = mlp_first + mm(1, d, d) * (3 if config.guidance_embeds else 2)
     adaln = config.num_layers * 2 * mm(1, d, 6 * d) + config.num_single_layers * mm(1, d, 3 * d) + mm(1, d, 2 * d)
     attention = config.num_blocks * 2 * mm(s, s, d)  # per head: s x s x head_dim twice
-    return FluxFlops(tokens, embedders + adaln, attention, embed_in + mlp_first)
+    lora = (config.num_layers * (adapter(d, 3 * d) + adapter(d, d) + adapter(d, f) + adapter(f, d))
+            + config.num_single_layers * (adapter(d, 3 * d + f) + adapter(d + f, d)))
+    first_projection = s * mm(1, d, 3 * d if config.num_layers else 3 * d + f)
+    return FluxFlops(tokens, embedders + adaln, attention, embed_in + mlp_first, embed_in, first_projection,
+                     lora, mm(s, d, lora_rank) if lora_rank else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,13 +88,14 @@ class IterationFlops:
 
 
 def grpo_iteration_flops(config: FluxConfig, n_txt: int, n_img: int, batch: int, num_steps: int,
-                         trained_steps: int, decode_flops_per_image: int = 0) -> IterationFlops:
+                         trained_steps: int, decode_flops_per_image: int = 0, lora_rank: int = 0) -> IterationFlops:
     """One GRPO iteration: `batch` rollouts of `num_steps` forwards, forward + backward of
-    `trained_steps` transitions per sample, and one VAE decode per sample."""
-    one = flux_flops(config, n_txt, n_img)
+    `trained_steps` transitions per sample, and one VAE decode per sample (LoRA of rank
+    `lora_rank` on a frozen base when it is not 0)."""
+    one = flux_flops(config, n_txt, n_img, lora_rank)
     return IterationFlops(
         rollout=batch * num_steps * one.forward,
-        train=batch * trained_steps * (one.forward + one.backward),
+        train=batch * trained_steps * (one.forward + (one.lora_backward if lora_rank else one.backward)),
         decode=batch * decode_flops_per_image)
 
 

@@ -64,3 +64,24 @@ def test_iteration_flops_add_up():
     assert it.rollout == 12 * 16 * one.forward
     assert it.train == 12 * 9 * (one.forward + one.backward)
     assert it.total == it.rollout + it.train + 12 * 1000
+
+
+@pytest.mark.parametrize("num_layers", [1, 0])
+def test_lora_flops_on_a_frozen_base_match_flop_counter(parallel_1proc, num_layers):
+    """LoRA on the recommended targets, base frozen: the adapters' products in the forward, no
+    weight gradient of the base, nothing before the first block's input projection in the backward
+    (first block double, or single when there is none)."""
+    from mm_grpo.models.flux import lora
+    config = FluxConfig.preset("tiny", num_layers=num_layers, num_single_layers=2)
+    model = FluxTransformer(config)
+    rank = 3
+    lora.add_adapters(model, lora.LoRAConfig(r=rank), seed=0)
+    inputs = _inputs(config)
+    expected = flux_flops(config, N_TXT, GRID[0] * GRID[1], lora_rank=rank)
+    assert expected.lora > 0
+    with torch.no_grad():
+        assert counted_flops(model, **inputs) == BATCH * expected.forward
+    total = counted_flops(lambda: model(**inputs).square().sum().backward())
+    assert total == BATCH * (expected.forward + expected.lora_backward)
+    with pytest.raises(ValueError, match="lora_backward"):
+        expected.backward
