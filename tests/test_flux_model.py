@@ -106,6 +106,44 @@ def test_bf16_autocast_stays_close_and_rope_stays_fp32(parallel_1proc):
     assert cos.dtype == torch.float32
 
 
+def test_single_rank_linears_under_autocast_give_megatrons_output(parallel_1proc):
+    """On one TP rank the linears compute their GEMM themselves (`layers._gemm`); under bf16 autocast
+    the result is megatron-core's own path's, bit for bit: the product in bf16, the fp32 bias added
+    after it, an fp32 output (the residual stream's dtype)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from mm_grpo.models.flux.layers import column_linear, row_linear
+    from mm_grpo.models.flux.model import transformer_config
+    tconfig = transformer_config(TINY)
+    column, row = column_linear(16, 24, tconfig), row_linear(24, 16, tconfig)
+    for layer in (column, row):
+        torch.nn.init.normal_(layer.bias)
+    x, parts = torch.randn(5, 2, 16), [torch.randn(5, 2, 8), torch.randn(5, 2, 16)]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = [column(x)[0], row(parts[1].repeat(1, 1, 2)[..., :24])[0], row.forward_parts(parts)]
+        megatron = [ColumnParallelLinear.forward(column, x)[0],
+                    RowParallelLinear.forward(row, parts[1].repeat(1, 1, 2)[..., :24])[0],
+                    RowParallelLinear.forward(row, torch.cat(parts, -1))[0]]
+    for out, expected in zip(ours, megatron):
+        assert out.dtype == expected.dtype == torch.float32
+        assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("kind", ["double_blocks", "single_blocks"])
+def test_a_block_under_bf16_autocast_traces_to_one_graph(parallel_1proc, kind):
+    """torch.compile sees a whole block as one graph under bf16 autocast, as without it: megatron-
+    core's own linear path (which warns, a graph break, on every GEMM in 0.16) is not taken on one
+    TP rank. On CUDA it was, and each linear recompiled until dynamo's limit (docs/performance.md)."""
+    import torch._dynamo
+    from mm_grpo import kernels
+    model = FluxTransformer(TINY)
+    block = getattr(model, kind)[0]
+    rope = kernels.rope_table(*model.rope(torch.zeros(4, 3), torch.zeros(12, 3)))
+    x, vec = torch.randn(16, 2, TINY.hidden_size), torch.randn(2, TINY.hidden_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        explained = torch._dynamo.explain(block)(x, 4, vec, rope, None)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
 def test_loads_from_a_diffusers_folder_and_a_pipeline_folder(parallel_1proc, tmp_path):
     ref = random_reference(TINY, seed=5)
     ref.save_pretrained(tmp_path / "pipe" / "transformer", max_shard_size="20KB")

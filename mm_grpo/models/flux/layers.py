@@ -30,12 +30,20 @@ def _init_normal(weight):
 
 
 def _plain_gemm(layer, x) -> bool:
-    """megatron-core's linear is then a plain matmul + bias: one TP rank, and no autocast.
+    """megatron-core's linear is then a plain matmul + bias (one TP rank): `_gemm` computes it.
+    Its own path would also break a compiled block's graph (megatron-core 0.16's RowParallelLinear
+    names no TP group to its GEMM, which warns)."""
+    return tp_world_size() == 1 and not layer.config.sequence_parallel
 
-    Under autocast megatron-core adds the fp32 bias to the bf16 product, which keeps the
-    residual stream in fp32 (model.py relies on it); a fused bf16 GEMM would not."""
-    return (tp_world_size() == 1 and not layer.config.sequence_parallel
-            and not torch.is_autocast_enabled(x.device.type))
+
+def _gemm(x, weight, bias):
+    """x W^T + b as megatron-core's single-rank linear computes it. Under autocast the product is
+    bf16 and the fp32 bias is added after it, so the output (and the residual stream, model.py)
+    stays fp32; without autocast the bias goes into the GEMM (addmm: one pass less over the output,
+    a quarter of the GEMM's time at D = 256 on CPU, docs/performance.md)."""
+    if bias is not None and torch.is_autocast_enabled(x.device.type):
+        return F.linear(x, weight) + bias
+    return F.linear(x, weight, bias)
 
 
 def _with_adapter(layer, x, out):
@@ -48,34 +56,34 @@ def _with_adapter(layer, x, out):
 
 
 class ColumnLinear(ColumnParallelLinear):
-    """megatron-core's ColumnParallelLinear. Without TP and autocast the bias goes into the
-    GEMM (`F.linear`, i.e. addmm): megatron-core adds it in a second pass over the output,
-    which costs a quarter of the GEMM's time at D = 256 on CPU (docs/performance.md)."""
+    """megatron-core's ColumnParallelLinear; on one TP rank its GEMM is `_gemm`."""
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         if weight is None and _plain_gemm(self, input_):
             bias = None if self.skip_bias_add else self.bias
-            out, bias = F.linear(input_, self.weight, bias), (self.bias if self.skip_bias_add else None)
+            out, bias = _gemm(input_, self.weight, bias), (self.bias if self.skip_bias_add else None)
         else:
             out, bias = super().forward(input_, weight, runtime_gather_output)
         return _with_adapter(self, input_, out), bias
 
 
 class RowLinear(RowParallelLinear):
-    """megatron-core's RowParallelLinear, with the bias inside the GEMM as in `ColumnLinear`."""
+    """megatron-core's RowParallelLinear; on one TP rank its GEMM is `_gemm`."""
 
     def forward(self, input_):
         if _plain_gemm(self, input_):
             bias = None if self.skip_bias_add else self.bias
-            out, bias = F.linear(input_, self.weight, bias), (self.bias if self.skip_bias_add else None)
+            out, bias = _gemm(input_, self.weight, bias), (self.bias if self.skip_bias_add else None)
         else:
             out, bias = super().forward(input_)
         return _with_adapter(self, input_, out), bias
 
     def forward_parts(self, parts):
         """`self(torch.cat(parts, -1))` without materialising the concatenation: one GEMM per
-        part accumulated into the output (addmm) where `_plain_gemm` allows (else megatron-core's)."""
-        if not _plain_gemm(self, parts[0]) or self.skip_bias_add:
+        part accumulated into the output (addmm) where `_plain_gemm` allows and there is no
+        autocast (it would round each part's product to bf16: one GEMM over the concatenation
+        rounds once, as megatron-core's)."""
+        if not _plain_gemm(self, parts[0]) or self.skip_bias_add or torch.is_autocast_enabled(parts[0].device.type):
             return self(torch.cat(parts, dim=-1))[0]
         weights = self.weight.split([p.shape[-1] for p in parts], dim=1)
         lead = parts[0].shape[:-1]
