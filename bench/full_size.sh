@@ -3,7 +3,8 @@
 # failure or a hang leaves the later steps their time. Figures and logs go to $OUT_DIR.
 #   OUT_DIR=runs/full_size bash bench/full_size.sh
 # 1. a smoke run of the same path (FLUX.1-dev width, one block of each kind, 256 px);
-# 2. FLUX.1-dev at full size, LoRA rank 64, G = 12, N = 16: 512 px then 1024 px, bf16 numerics;
+# 2. FLUX.1-dev at full size, LoRA rank 64, G = 12, N = 16: 512 px then 1024 px (micro-batch 6: 12
+#    does not fit an H100), bf16 numerics;
 # 3. FLUX width (2 double + 4 single blocks, 128 text tokens, full fine-tuning, no recompute: the
 #    flux-width preset of bench_grpo) with one iteration profiled;
 # 4. the same with compiled blocks, dynamo's recompiles logged;
@@ -25,7 +26,7 @@ python3 -c "import torch, megatron.core, diffusers; print(torch.__version__, meg
 FS="python3 -m bench.full_size --model flux-dev"
 run 70 $FS --depth 1 1 --sizes 256:4 --num-generations 4 --num-inference-steps 3 --check-bf16 \
     --json "$OUT_DIR/smoke.json"
-run "${FULL_SECONDS:-300}" $FS --sizes 512:12 1024:12 --iters 1 --check-bf16 --json "$OUT_DIR/flux_dev.json"
+run "${FULL_SECONDS:-300}" $FS --sizes 512:12 1024:6 --iters 1 --check-bf16 --json "$OUT_DIR/flux_dev.json"
 WIDTH="$FS --depth 2 4 --sizes 512:12 --text-tokens 128 --lora-rank 0 --no-recompute --iters 2"
 run 70 $WIDTH --profile "$OUT_DIR/profile.txt" --json "$OUT_DIR/flux_width.json"
 TORCH_LOGS=recompiles run 75 $WIDTH --compile --workdir /tmp/mm_grpo_full_size_compiled
