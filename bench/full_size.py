@@ -19,6 +19,8 @@ Every size's figures are written to `--json` as soon as they are measured.
 """
 import argparse
 import contextlib
+import dataclasses
+import functools
 import io
 import json
 import math
@@ -32,6 +34,7 @@ import torch
 from bench.bench_grpo import matmul_throughput
 from bench.flops import grpo_iteration_flops
 from bench.grpo_setup import PROMPTS, Preset, optimizer_args
+from mm_grpo.encoders.latents import num_image_tokens
 
 # FLUX.1's AutoencoderKL (the vae/config.json of black-forest-labs/FLUX.1-dev).
 FLUX_VAE_CONFIG = dict(
@@ -41,6 +44,7 @@ FLUX_VAE_CONFIG = dict(
     use_quant_conv=False, use_post_quant_conv=False)
 REWARD = "jpeg_compressibility"  # no model: the figures are the transformer's and the VAE's
 MATMUL_SIZE = 8192  # the bf16 yardstick on an accelerator, as bench_grpo measures it
+LR = 1e-5  # DanceGRPO's FLUX learning rate; the timing does not depend on it
 
 
 def write_frozen_parts(config, text_tokens: int, workdir: Path, tiny_vae: bool) -> dict:
@@ -136,12 +140,154 @@ def finite(stats: dict) -> bool:
     return all(math.isfinite(v) for v in stats.values() if isinstance(v, float))
 
 
+@dataclasses.dataclass
+class Run:
+    """What every size shares: the arguments, the model and its optimizer, the frozen parts' blocks
+    (model.json's), and the results so far (written to --json after each size)."""
+    args: argparse.Namespace
+    platform: object
+    config: object  # FluxConfig
+    chunks: list
+    policy: list  # the chunks in DDP
+    optimizer: object
+    scheduler: object
+    blocks: dict
+    result: dict
+
+    def save(self):
+        if self.args.json:
+            tmp = self.args.json + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.result, f, indent=1, default=float)
+            os.replace(tmp, self.args.json)
+
+
+def build(args, platform, config, paths, result) -> Run:
+    """The model on the device, the bf16 check before the adapters, LoRA on the frozen base, DDP,
+    the optimizer: as the trainer builds them (training/trainable.py), with random weights."""
+    from mm_grpo.models.flux import lora
+    from mm_grpo.parallel import ParallelConfig, initialize_parallel
+    from mm_grpo.runtime.chunks import build_model_chunks
+    from mm_grpo.seeding import DEFAULT_SEED
+    from mm_grpo.training.optim import build_optimizer, build_scheduler, wrap_ddp
+    accelerator = getattr(torch, platform.name) if platform.name != "cpu" else None
+    start = time.perf_counter()
+    initialize_parallel(ParallelConfig(), seed=DEFAULT_SEED)
+    chunks = [chunk.to(platform.device) for chunk in build_model_chunks(config)]
+    platform.synchronize()
+    result.update(build_s=time.perf_counter() - start, parameters=sum(t.numel() for t in chunks[0].parameters()))
+    print(f"[full_size] built {result['parameters'] / 1e9:.2f}B parameters in {result['build_s']:.1f} s", flush=True)
+    if args.check_bf16 and config.bf16:
+        try:
+            result["bf16_velocity"] = bf16_velocity_error(chunks, config, paths, args.sizes[0][0], platform.device)
+        except torch.OutOfMemoryError as e:
+            result["bf16_velocity"] = f"out of memory: {str(e).splitlines()[0]}"
+        print(f"[full_size] bf16 vs fp32 velocity: {result['bf16_velocity']}", flush=True)
+    if args.lora_rank:
+        for chunk in chunks:
+            lora.add_adapters(chunk, lora.LoRAConfig(r=args.lora_rank, alpha=args.lora_rank), DEFAULT_SEED)
+            if config.bf16:
+                lora.freeze_base_in_bf16(chunk)
+    if accelerator:  # the fp32 copies are gone: reserved memory as the run needs it
+        accelerator.empty_cache()
+    result["trainable_parameters"] = sum(t.numel() for t in chunks[0].parameters() if t.requires_grad)
+    policy = wrap_ddp(chunks)
+    optimizer = build_optimizer(policy, optimizer_args(LR))
+    blocks = {"text_encoder": {"embeddings_cache": paths["cache"]}, "ae": {"from_pretrained": paths["pipeline"]},
+              "reward": [{"name": REWARD}]}
+    return Run(args, platform, config, chunks, policy, optimizer, build_scheduler(optimizer, optimizer_args(LR)),
+               blocks, result)
+
+
+def run_size(run: Run, size: int, micro_batch: int, iteration: int, warmup: bool, profile: bool) -> int:
+    """Iterations at one size and micro-batch (a warm-up first if `warmup`), summarised into
+    result["sizes"]; returns the next iteration number."""
+    from mm_grpo.training import components as trainer_components
+    from mm_grpo.training.train_grpo import grpo_iteration
+    args, device = run.args, run.platform.device
+    preset = Preset(f"{args.model}-{size}", None, size, size, args.text_tokens, args.num_generations, 1,
+                    args.num_inference_steps, micro_batch, bf16=run.config.bf16, recompute=run.config.recompute_blocks)
+    reward = trainer_components.grpo_reward(run.blocks, PROMPTS, device)
+    schedule = trainer_components.grpo_schedule(preset.settings(), run.chunks, run.blocks, reward, device, preset.dtype)
+    step = functools.partial(grpo_iteration, schedule, run.policy, run.optimizer, run.scheduler)
+    runs = []
+    for _ in range(args.iters + warmup):
+        runs.append(timed_iteration(step, iteration, run.platform))
+        r, iteration = runs[-1], iteration + 1
+        print(f"[full_size] {size}px micro-batch {micro_batch}, iteration {iteration - 1}: {r['time_total']:.1f} s "
+              f"(rollout {r['time_rollout']:.1f}, decode+reward {r['time_reward']:.1f}, train {r['time_train']:.1f}), "
+              f"peak {r['peak_allocated'] / 2**30:.1f} GiB, ratio first mb [{r.get('ratio_first_mb_min', math.nan):.6f}, "
+              f"{r.get('ratio_first_mb_max', math.nan):.6f}], finite {finite(r)}", flush=True)
+    if profile:
+        profile_iteration(step, iteration, run.platform, args.profile)
+        iteration += 1
+    run.result["sizes"][f"{size}px m={micro_batch}"] = summary(run, preset, runs[1:] if warmup and len(runs) > 1 else runs,
+                                                              runs)
+    return iteration
+
+
+def summary(run: Run, preset: Preset, timed: list, runs: list) -> dict:
+    """Medians of the timed iterations, MFU against the measured matmul rate, peaks, the plan's row."""
+    args = run.args
+    med = lambda key: statistics.median(r[key] for r in timed)  # noqa: E731
+    n_img = num_image_tokens(preset.height, preset.width)
+    trained = max(1, int((args.num_inference_steps - 1) * preset.timestep_fraction))
+    flops = grpo_iteration_flops(run.config, args.text_tokens, n_img, preset.batch, args.num_inference_steps,
+                                 trained, lora_rank=args.lora_rank)
+    row = dict(micro_batch=preset.micro_batch_size, image_tokens=n_img, trained_steps=trained,
+               iterations=[{k: v for k, v in r.items() if isinstance(v, (int, float))} for r in runs],
+               rollout=med("time_rollout"), decode_reward=med("time_reward"), train=med("time_train"),
+               iteration=med("time_total"), images_per_s=preset.batch / med("time_total"),
+               peak_allocated_gib=max(r["peak_allocated"] for r in timed) / 2**30,
+               peak_reserved_gib=max(r["peak_reserved"] for r in timed) / 2**30,
+               transformer_tflop=(flops.rollout + flops.train) / 1e12, all_finite=all(finite(r) for r in runs))
+    rate = run.result.get("matmul_bf16_flops")
+    if rate:
+        row.update(mfu=(flops.rollout + flops.train) / (row["iteration"] * rate),
+                   mfu_rollout=flops.rollout / (row["rollout"] * rate), mfu_train=flops.train / (row["train"] * rate))
+    if args.model != "tiny" and not args.depth:  # the planner knows the whole model only
+        row["plan"] = planned(args.model, preset.height, preset.micro_batch_size, args.lora_rank, args.text_tokens,
+                              run.config.recompute_blocks)
+    return row
+
+
+def run_fitting(run: Run, size: int, micro_batch: int, iteration: int, warmup: bool, profile: bool) -> int:
+    """`run_size` at the largest micro-batch that fits, from the one asked for down through G's divisors."""
+    while True:
+        try:
+            return run_size(run, size, micro_batch, iteration, warmup, profile)
+        except torch.OutOfMemoryError as e:
+            run.result["sizes"].setdefault("out_of_memory", []).append(f"{size}:{micro_batch}: {str(e).splitlines()[0]}")
+        # outside the handler: its traceback no longer holds the failed iteration's tensors
+        print(f"[full_size] {size}px micro-batch {micro_batch}: out of memory", flush=True)
+        getattr(torch, run.platform.name).empty_cache()
+        smaller = [m for m in range(micro_batch - 1, 0, -1) if run.args.num_generations % m == 0]
+        if not smaller:
+            raise SystemExit(f"{size}px does not fit even at micro-batch 1")
+        micro_batch = smaller[0]
+
+
+def print_summary(result: dict):
+    print(json.dumps({k: v for k, v in result.items() if k != "sizes"}, default=float))
+    for key, row in result["sizes"].items():
+        if key == "out_of_memory":
+            print("out of memory:", row)
+            continue
+        plan = row.get("plan") or {}
+        print(f"{key}: iteration {row['iteration']:.1f} s (rollout {row['rollout']:.1f}, decode+reward "
+              f"{row['decode_reward']:.1f}, train {row['train']:.1f}), {row['images_per_s']:.2f} images/s, MFU "
+              f"{row.get('mfu', math.nan):.1%}, peak {row['peak_allocated_gib']:.1f} GiB allocated / "
+              f"{row['peak_reserved_gib']:.1f} reserved; plan: {plan.get('peak_bytes_per_rank', math.nan) / 2**30:.1f} "
+              f"GiB, {plan.get('seconds_per_iteration', math.nan):.1f} s")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="flux-dev", help="a FluxConfig preset (flux-dev, flux-schnell, tiny)")
     p.add_argument("--depth", type=int, nargs=2, default=None, metavar=("DOUBLE", "SINGLE"),
                    help="fewer blocks than the preset (a smoke run of the same path)")
-    p.add_argument("--sizes", nargs="+", default=["512:12"], help="image side:micro-batch, run in this order")
+    p.add_argument("--sizes", nargs="+", default=["512:12"], type=lambda s: tuple(int(v) for v in s.split(":")),
+                   help="image side:micro-batch, run in this order")
     p.add_argument("--lora-rank", type=int, default=64, help="0: full fine-tuning")
     p.add_argument("--text-tokens", type=int, default=512)
     p.add_argument("--num-generations", type=int, default=12)
@@ -158,21 +304,10 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     import mm_grpo
-    from mm_grpo.encoders.latents import num_image_tokens
-    from mm_grpo.models.flux import FluxConfig, lora
-    from mm_grpo.parallel import ParallelConfig, initialize_parallel
-    from mm_grpo.runtime.chunks import build_model_chunks
-    from mm_grpo.seeding import DEFAULT_SEED
-    from mm_grpo.training import components as trainer_components
-    from mm_grpo.training.optim import build_optimizer, build_scheduler, wrap_ddp
-    from mm_grpo.training.train_grpo import grpo_iteration
-    import functools
-
+    from mm_grpo.models.flux import FluxConfig
     platform = mm_grpo.get_platform()
-    sizes = [tuple(int(v) for v in s.split(":")) for s in args.sizes]
-    bf16 = not args.no_bf16
     depth = dict(num_layers=args.depth[0], num_single_layers=args.depth[1]) if args.depth else {}
-    config = FluxConfig.preset(args.model, bf16=bf16, recompute_blocks=not args.no_recompute,
+    config = FluxConfig.preset(args.model, bf16=not args.no_bf16, recompute_blocks=not args.no_recompute,
                                compile_blocks=args.compile, **depth)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -180,118 +315,17 @@ def main(argv=None):
     result = dict(model=args.model, depth=args.depth, lora_rank=args.lora_rank, device=str(platform.device),
                   device_name=torch.cuda.get_device_name() if platform.name == "cuda" else platform.name,
                   torch=torch.__version__, sizes={})
-
-    def save():
-        if args.json:
-            tmp = args.json + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(result, f, indent=1, default=float)
-            os.replace(tmp, args.json)
-
     if platform.name != "cpu":
         rates = [matmul_throughput(platform.device, torch.bfloat16, MATMUL_SIZE)[0] for _ in range(3)]
         result["matmul_bf16_flops"] = statistics.median(rates)
-    start = time.perf_counter()
-    initialize_parallel(ParallelConfig(), seed=DEFAULT_SEED)
-    chunks = [chunk.to(platform.device) for chunk in build_model_chunks(config)]
-    platform.synchronize()
-    result.update(build_s=time.perf_counter() - start, parameters=sum(t.numel() for t in chunks[0].parameters()))
-    print(f"[full_size] built {result['parameters'] / 1e9:.2f}B parameters in {result['build_s']:.1f} s", flush=True)
-    if args.check_bf16 and bf16:
-        try:
-            result["bf16_velocity"] = bf16_velocity_error(chunks, config, paths, sizes[0][0], platform.device)
-        except torch.OutOfMemoryError as e:
-            result["bf16_velocity"] = f"out of memory: {str(e).splitlines()[0]}"
-        if platform.name != "cpu":
-            getattr(torch, platform.name).empty_cache()
-        print(f"[full_size] bf16 vs fp32 velocity: {result['bf16_velocity']}", flush=True)
-    if args.lora_rank:
-        for chunk in chunks:
-            lora.add_adapters(chunk, lora.LoRAConfig(r=args.lora_rank, alpha=args.lora_rank), DEFAULT_SEED)
-            if bf16:
-                lora.freeze_base_in_bf16(chunk)
-    if platform.name != "cpu":  # the fp32 copies are gone: reserved memory as the run needs it
-        getattr(torch, platform.name).empty_cache()
-    result["trainable_parameters"] = sum(t.numel() for t in chunks[0].parameters() if t.requires_grad)
-    policy = wrap_ddp(chunks)
-    optimizer = build_optimizer(policy, optimizer_args(1e-5))
-    scheduler = build_scheduler(optimizer, optimizer_args(1e-5))
-    blocks = {"text_encoder": {"embeddings_cache": paths["cache"]}, "ae": {"from_pretrained": paths["pipeline"]},
-              "reward": [{"name": REWARD}]}
-    save()
-
-    def run_size(n, size, micro_batch, iteration):
-        preset = Preset(f"{args.model}-{size}", None, size, size, args.text_tokens, args.num_generations, 1,
-                        args.num_inference_steps, micro_batch, bf16=bf16, recompute=not args.no_recompute)
-        reward = trainer_components.grpo_reward(blocks, PROMPTS, platform.device)
-        schedule = trainer_components.grpo_schedule(preset.settings(), chunks, blocks, reward, platform.device,
-                                                    preset.dtype)
-        step = functools.partial(grpo_iteration, schedule, policy, optimizer, scheduler)
-        runs = []
-        for i in range(args.iters + (1 if n == 0 else 0)):
-            runs.append(timed_iteration(step, iteration, platform))
-            iteration += 1
-            r = runs[-1]
-            print(f"[full_size] {size}px micro-batch {micro_batch}, iteration {iteration - 1}: {r['time_total']:.1f} s "
-                  f"(rollout {r['time_rollout']:.1f}, decode+reward {r['time_reward']:.1f}, train {r['time_train']:.1f}), "
-                  f"peak {r['peak_allocated'] / 2**30:.1f} GiB, ratio first mb [{r.get('ratio_first_mb_min', float('nan')):.6f}, "
-                  f"{r.get('ratio_first_mb_max', float('nan')):.6f}], finite {finite(r)}", flush=True)
-        if args.profile and n == len(sizes) - 1:
-            profile_iteration(step, iteration, platform, args.profile)
-            iteration += 1
-        timed = runs[1:] if n == 0 and len(runs) > 1 else runs
-        med = lambda key: statistics.median(r[key] for r in timed)  # noqa: E731
-        n_img = num_image_tokens(size, size)
-        trained = max(1, int((args.num_inference_steps - 1) * preset.timestep_fraction))
-        flops = grpo_iteration_flops(config, args.text_tokens, n_img, preset.batch, args.num_inference_steps,
-                                     trained, lora_rank=args.lora_rank)
-        row = dict(micro_batch=micro_batch, image_tokens=n_img, trained_steps=trained,
-                   iterations=[dict((k, v) for k, v in r.items() if isinstance(v, (int, float))) for r in runs],
-                   rollout=med("time_rollout"), decode_reward=med("time_reward"), train=med("time_train"),
-                   iteration=med("time_total"), images_per_s=preset.batch / med("time_total"),
-                   peak_allocated_gib=max(r["peak_allocated"] for r in timed) / 2**30,
-                   peak_reserved_gib=max(r["peak_reserved"] for r in timed) / 2**30,
-                   transformer_tflop=(flops.rollout + flops.train) / 1e12, all_finite=all(finite(r) for r in runs))
-        if "matmul_bf16_flops" in result:
-            rate = result["matmul_bf16_flops"]
-            row.update(mfu=(flops.rollout + flops.train) / (row["iteration"] * rate),
-                       mfu_rollout=flops.rollout / (row["rollout"] * rate),
-                       mfu_train=flops.train / (row["train"] * rate))
-        if args.model != "tiny" and not args.depth:  # the planner knows the whole model only
-            row["plan"] = planned(args.model, size, micro_batch, args.lora_rank, args.text_tokens,
-                                  not args.no_recompute)
-        result["sizes"][f"{size}px m={micro_batch}"] = row
-        return iteration
-
-
+    run = build(args, platform, config, paths, result)
+    run.save()
     iteration = 0
-    for n, (size, micro_batch) in enumerate(sizes):
-        while True:  # the largest micro-batch (a divisor of G) that fits, from the one asked for
-            try:
-                iteration = run_size(n, size, micro_batch, iteration)
-                break
-            except torch.OutOfMemoryError as e:
-                result["sizes"].setdefault("out_of_memory", []).append(f"{size}:{micro_batch}: {str(e).splitlines()[0]}")
-            # outside the handler: its traceback no longer holds the failed iteration's tensors
-            print(f"[full_size] {size}px micro-batch {micro_batch}: out of memory", flush=True)
-            getattr(torch, platform.name).empty_cache()
-            smaller = [m for m in range(micro_batch - 1, 0, -1) if args.num_generations % m == 0]
-            if not smaller:
-                raise SystemExit(f"{size}px does not fit even at micro-batch 1")
-            micro_batch = smaller[0]
-        save()
-    print(json.dumps({k: v for k, v in result.items() if k != "sizes"}, default=float))
-    for key, row in result["sizes"].items():
-        if key == "out_of_memory":
-            print("out of memory:", row)
-            continue
-        plan = row.get("plan") or {}
-        print(f"{key}: iteration {row['iteration']:.1f} s (rollout {row['rollout']:.1f}, "
-              f"decode+reward {row['decode_reward']:.1f}, train {row['train']:.1f}), {row['images_per_s']:.2f} images/s, "
-              f"MFU {row.get('mfu', float('nan')):.1%}, peak {row['peak_allocated_gib']:.1f} GiB allocated / "
-              f"{row['peak_reserved_gib']:.1f} reserved; plan: {plan.get('peak_bytes_per_rank', float('nan')) / 2**30:.1f} GiB, "
-              f"{plan.get('seconds_per_iteration', float('nan')):.1f} s")
-
+    for n, (size, micro_batch) in enumerate(args.sizes):
+        iteration = run_fitting(run, size, micro_batch, iteration, warmup=n == 0,
+                                profile=bool(args.profile) and n == len(args.sizes) - 1)
+        run.save()
+    print_summary(result)
 
 
 if __name__ == "__main__":
