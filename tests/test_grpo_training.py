@@ -355,9 +355,9 @@ def test_cps_never_trains_its_noiseless_last_step(parallel_1proc, configs):
     assert [run.schedule.sde_window(it) for it in range(0, 100, 25)] == [(0, 3), (1, 4), (2, 5), (0, 3)]
 
 
-def test_bf16_is_refused_on_cpu_before_any_work(parallel_1proc, configs):
-    with pytest.raises(ValueError, match="--bf16 training needs an accelerator"):
-        _error(grpo_argv(*configs, extra=["--bf16"]))
+def test_bf16_with_tensor_parallelism_is_refused_on_cpu_before_any_work(parallel_1proc, configs):
+    with pytest.raises(ValueError, match="--bf16 with --tensor-model-parallel-size > 1 needs an accelerator"):
+        _error(grpo_argv(*configs, extra=["--bf16", "--tensor-model-parallel-size", "2"]))
 
 
 def test_cfg_scale_is_refused_for_flux_before_any_work(parallel_1proc, configs):

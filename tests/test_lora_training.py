@@ -1,5 +1,6 @@
-"""LoRA runs on the tiny pipeline, single process (CPU, fp32): GRPO with every sampler and policy
+"""LoRA runs on the tiny pipeline, single process (CPU, fp32; one in bf16): GRPO with every sampler and policy
 loss (KL reference = adapters off), flow matching, adapter-only checkpoints and exact resume."""
+import math
 import os
 
 import pytest
@@ -81,6 +82,24 @@ def test_adapter_only_checkpoint_resumes_exactly(parallel_1proc, configs, tmp_pa
     assert [h["loss"] for h in first + second] == [h["loss"] for h in full]
     a, b = _params(run_full), _params(run_resumed)
     assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_bf16_lora_run_stays_on_policy_finite_and_resumes_exactly(parallel_1proc, configs, tmp_path):
+    """The full-size GPU job's setting on the tiny model (on CPU, one TP rank): bf16 autocast, the
+    frozen base's matrices in bf16, recompute. The training recomputation of the first micro-batch
+    gives the rollout's log-probs exactly (ratio 1), 20 iterations stay finite, and a run saved at 2
+    and resumed repeats the uninterrupted one bit for bit."""
+    extra = LORA + ["--bf16", "--recompute-activations"]
+    full, run_full = run_grpo(grpo_argv(*configs, iters=20, extra=extra))
+    assert all(h["ratio_first_mb_min"] == h["ratio_first_mb_max"] == 1.0 for h in full)
+    assert all(math.isfinite(v) for h in full for v in h.values() if isinstance(v, float))
+    base = {n: p for n, p in _params(run_full).items() if n not in _adapter_names(run_full)}
+    assert {p.dtype for p in base.values() if p.dim() >= 2} == {torch.bfloat16}
+    ckpt = str(tmp_path / "ckpt")
+    first, _ = run_grpo(grpo_argv(*configs, iters=2, extra=extra + ["--save", ckpt]))
+    second, run_resumed = run_grpo(grpo_argv(*configs, iters=4, extra=extra + ["--load", ckpt]))
+    assert [h["loss"] for h in first + second] == [h["loss"] for h in full[:4]]
+    assert [h["reward/mean"] for h in first + second] == [h["reward/mean"] for h in full[:4]]
 
 
 def test_lora_configuration_errors(parallel_1proc, configs, tmp_path):

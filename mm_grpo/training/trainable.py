@@ -34,13 +34,15 @@ class RunConfigs:
 
 def run_configs(args) -> RunConfigs:
     """model.json / data.json and the FLUX architecture of a run (GRPO or flow matching);
-    refuses --bf16 on CPU before any work."""
+    refuses --bf16 on CPU with TP > 1 before any work."""
     folder = lambda path: os.path.dirname(os.path.abspath(path))  # noqa: E731
     model = components.resolve_paths(args.mm_model_config, folder(args.mm_model))
     data = components.resolve_paths(args.mm_data_config, folder(args.mm_data))
-    if args.bf16 and get_platform().name == "cpu":
-        raise ValueError("--bf16 training needs an accelerator: megatron-core's linear layers restore CUDA "
-                         "autocast in their backward, so bf16 autocast fails on CPU (train in fp32 there)")
+    if args.bf16 and get_platform().name == "cpu" and args.tensor_model_parallel_size > 1:
+        # On one TP rank the linears compute their GEMMs themselves (models/flux/layers.py).
+        raise ValueError("--bf16 with --tensor-model-parallel-size > 1 needs an accelerator: megatron-core's "
+                         "tensor-parallel linears restore CUDA autocast in their backward, so bf16 autocast fails "
+                         "on CPU (train in fp32 there, or with TP 1)")
     predictor = components.block(model, "predictor", "--mm-model")
     flux_config = flux_config_from_block(dict(predictor, recompute_blocks=args.recompute_activations,
                                               bf16=args.bf16, compile_blocks=args.compile_blocks))
