@@ -38,7 +38,9 @@ def add_device_args(group, several: bool = False):
     group.add_argument("--device-memory", type=float, default=None, help="GB per device (default: the profile's)")
     group.add_argument("--device", default="atlas-800t-a2", choices=sorted(devices_mod.DEVICES),
                        help="profile: peak bf16 FLOP/s, HBM, interconnect (mm_grpo/plan/devices.py)")
-    group.add_argument("--mfu", type=float, default=0.4, help="assumed fraction of peak FLOP/s reached")
+    group.add_argument("--mfu", type=float, default=0.4,
+                       help="assumed fraction of peak FLOP/s reached (one H100, FLUX.1-dev LoRA 64 at 512 px: "
+                            "0.25 measured, docs/scaling.md)")
     group.add_argument("--tp", type=int, default=None, help="only layouts with this TP (Wan2.1: 1 only)")
     group.add_argument("--pp", type=int, default=None, help="only layouts with this PP")
 
