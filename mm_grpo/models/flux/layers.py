@@ -29,7 +29,7 @@ def _init_normal(weight):
     return nn.init.normal_(weight, std=0.02)
 
 
-def _plain_gemm(layer, x) -> bool:
+def _plain_gemm(layer) -> bool:
     """megatron-core's linear is then a plain matmul + bias (one TP rank): `_gemm` computes it.
     Its own path would also break a compiled block's graph (megatron-core 0.16's RowParallelLinear
     names no TP group to its GEMM, which warns)."""
@@ -59,7 +59,7 @@ class ColumnLinear(ColumnParallelLinear):
     """megatron-core's ColumnParallelLinear; on one TP rank its GEMM is `_gemm`."""
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
-        if weight is None and _plain_gemm(self, input_):
+        if weight is None and _plain_gemm(self):
             bias = None if self.skip_bias_add else self.bias
             out, bias = _gemm(input_, self.weight, bias), (self.bias if self.skip_bias_add else None)
         else:
@@ -71,7 +71,7 @@ class RowLinear(RowParallelLinear):
     """megatron-core's RowParallelLinear; on one TP rank its GEMM is `_gemm`."""
 
     def forward(self, input_):
-        if _plain_gemm(self, input_):
+        if _plain_gemm(self):
             bias = None if self.skip_bias_add else self.bias
             out, bias = _gemm(input_, self.weight, bias), (self.bias if self.skip_bias_add else None)
         else:
@@ -83,7 +83,7 @@ class RowLinear(RowParallelLinear):
         part accumulated into the output (addmm) where `_plain_gemm` allows and there is no
         autocast (it would round each part's product to bf16: one GEMM over the concatenation
         rounds once, as megatron-core's)."""
-        if not _plain_gemm(self, parts[0]) or self.skip_bias_add or torch.is_autocast_enabled(parts[0].device.type):
+        if not _plain_gemm(self) or self.skip_bias_add or torch.is_autocast_enabled(parts[0].device.type):
             return self(torch.cat(parts, dim=-1))[0]
         weights = self.weight.split([p.shape[-1] for p in parts], dim=1)
         lead = parts[0].shape[:-1]
