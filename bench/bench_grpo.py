@@ -252,7 +252,7 @@ def main(argv=None):
     config = FluxConfig.from_diffusers_config(paths["transformer"])
     settings = preset.settings()
     n_img, n_txt = num_image_tokens(preset.height, preset.width), preset.text_tokens
-    trained = int((settings.num_inference_steps - 1) * settings.timestep_fraction)
+    trained = settings.trained_steps_per_sample
     flops = grpo_iteration_flops(config, n_txt, n_img, preset.batch, settings.num_inference_steps, trained,
                                  decode_flops(preset, paths, platform.device))
     from diffusers import FluxTransformer2DModel

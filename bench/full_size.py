@@ -231,7 +231,7 @@ def summary(run: Run, preset: Preset, timed: list, runs: list) -> dict:
     args = run.args
     med = lambda key: statistics.median(r[key] for r in timed)  # noqa: E731
     n_img = num_image_tokens(preset.height, preset.width)
-    trained = max(1, int((args.num_inference_steps - 1) * preset.timestep_fraction))
+    trained = preset.settings().trained_steps_per_sample  # K, as the schedule draws it
     flops = grpo_iteration_flops(run.config, args.text_tokens, n_img, preset.batch, args.num_inference_steps,
                                  trained, lora_rank=args.lora_rank)
     row = dict(micro_batch=preset.micro_batch_size, image_tokens=n_img, trained_steps=trained,
