@@ -11,26 +11,20 @@ activations autograd saves for backward (bench_parallel_memory.SavedActivationMe
 tensors gives the same figures on every machine (allocator caching excluded).
 """
 import argparse
-import types
 
 import torch
 
 import mm_grpo  # noqa: F401  (platform first)
 from bench.bench_parallel_memory import MiB, SavedActivationMeter
-from bench.grpo_setup import PRESETS
+from bench.grpo_setup import PRESETS, optimizer_args
 from mm_grpo.encoders.latents import num_image_tokens, token_grid
 from mm_grpo.models.flux import FluxConfig, lora
 from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
 from mm_grpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 from mm_grpo.runtime.chunks import build_model_chunks, forward_backward
-from mm_grpo.training.optim import build_optimizer, wrap_ddp
+from mm_grpo.training.trainable import attach_lora, optimize
 
 TARGETS = lora.RECOMMENDED_TARGETS
-
-
-def _optimizer_args(lr=1e-5):
-    return types.SimpleNamespace(lr=lr, min_lr=0.0, weight_decay=1e-4, adam_beta1=0.9, adam_beta2=0.999,
-                                 adam_eps=1e-8, clip_grad=1.0, use_distributed_optimizer=False)
 
 
 def micro_batch(config: FluxConfig, preset, device):
@@ -62,10 +56,8 @@ def measure(config: FluxConfig, preset, lora_config=None) -> dict:
     device = mm_grpo.get_platform().device
     chunks = [c.to(device) for c in build_model_chunks(config)]
     if lora_config is not None:
-        for c in chunks:
-            lora.add_adapters(c, lora_config, seed=0)
-    ddp = wrap_ddp(chunks)
-    optimizer = build_optimizer(ddp, _optimizer_args())
+        attach_lora(chunks, lora_config, seed=0, bf16=config.bf16)
+    ddp, optimizer, _ = optimize(chunks, optimizer_args(lr=1e-5))
     params = [p for c in chunks for p in c.parameters()]
     meter = SavedActivationMeter(params)
     for c in ddp:

@@ -169,7 +169,7 @@ def build(args, platform, config, paths, result) -> Run:
     from mm_grpo.parallel import ParallelConfig, initialize_parallel
     from mm_grpo.runtime.chunks import build_model_chunks
     from mm_grpo.seeding import DEFAULT_SEED
-    from mm_grpo.training.optim import build_optimizer, build_scheduler, wrap_ddp
+    from mm_grpo.training.trainable import attach_lora, optimize
     accelerator = getattr(torch, platform.name) if platform.name != "cpu" else None
     start = time.perf_counter()
     initialize_parallel(ParallelConfig(), seed=DEFAULT_SEED)
@@ -184,19 +184,14 @@ def build(args, platform, config, paths, result) -> Run:
             result["bf16_velocity"] = f"out of memory: {str(e).splitlines()[0]}"
         print(f"[full_size] bf16 vs fp32 velocity: {result['bf16_velocity']}", flush=True)
     if args.lora_rank:
-        for chunk in chunks:
-            lora.add_adapters(chunk, lora.LoRAConfig(r=args.lora_rank, alpha=args.lora_rank), DEFAULT_SEED)
-            if config.bf16:
-                lora.freeze_base_in_bf16(chunk)
+        attach_lora(chunks, lora.LoRAConfig(r=args.lora_rank, alpha=args.lora_rank), DEFAULT_SEED, config.bf16)
     if accelerator:  # the fp32 copies are gone: reserved memory as the run needs it
         accelerator.empty_cache()
     result["trainable_parameters"] = sum(t.numel() for t in chunks[0].parameters() if t.requires_grad)
-    policy = wrap_ddp(chunks)
-    optimizer = build_optimizer(policy, optimizer_args(LR))
+    policy, optimizer, scheduler = optimize(chunks, optimizer_args(LR))
     blocks = {"text_encoder": {"embeddings_cache": paths["cache"]}, "ae": {"from_pretrained": paths["pipeline"]},
               "reward": [{"name": REWARD}]}
-    return Run(args, platform, config, chunks, policy, optimizer, build_scheduler(optimizer, optimizer_args(LR)),
-               blocks, result)
+    return Run(args, platform, config, chunks, policy, optimizer, scheduler, blocks, result)
 
 
 def run_size(run: Run, size: int, micro_batch: int, iteration: int, warmup: bool, profile: bool) -> int:

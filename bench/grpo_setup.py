@@ -145,24 +145,20 @@ def build_mm_grpo(preset: Preset, paths: dict, device, schedule_cls=None, lora_c
     from mm_grpo.parallel import ParallelConfig, initialize_parallel
     from mm_grpo.runtime.chunks import build_model_chunks
     from mm_grpo.training import components as trainer_components
-    from mm_grpo.training.optim import build_optimizer, build_scheduler, wrap_ddp
     from mm_grpo.training.train_grpo import grpo_iteration
+    from mm_grpo.training.trainable import attach_lora, optimize
     initialize_parallel(ParallelConfig(), seed=DEFAULT_SEED)
     config = FluxConfig.from_diffusers_config(paths["transformer"], bf16=preset.bf16, recompute_blocks=preset.recompute,
                                              compile_blocks=preset.compile)
     chunks = [chunk.to(device) for chunk in build_model_chunks(config)]
     load_pretrained(chunks, paths["transformer"])
     if lora_config is not None:
-        from mm_grpo.models.flux import lora
-        for chunk in chunks:
-            lora.add_adapters(chunk, lora_config, setting_overrides.get("seed", DEFAULT_SEED))
-    policy = wrap_ddp(chunks)
-    optimizer = build_optimizer(policy, optimizer_args(preset.lr))
+        attach_lora(chunks, lora_config, setting_overrides.get("seed", DEFAULT_SEED), preset.bf16)
+    policy, optimizer, scheduler = optimize(chunks, optimizer_args(preset.lr))
     blocks = model_json(preset, paths, reward)
     schedule = trainer_components.grpo_schedule(
         preset.settings(**setting_overrides), chunks, blocks, trainer_components.grpo_reward(blocks, PROMPTS, device),
         device, preset.dtype, schedule_cls=schedule_cls or GRPOSchedule)
-    scheduler = build_scheduler(optimizer, optimizer_args(preset.lr))
     return schedule, functools.partial(grpo_iteration, schedule, policy, optimizer, scheduler)
 
 

@@ -112,10 +112,30 @@ def build_trainable(args, flux_config: FluxConfig, predictor: dict, parallel: Pa
         if lora_entry(args.load) is not None:
             raise ValueError(f"--load {args.load} is a LoRA checkpoint (adapters only): resume it with its "
                              "--lora-target-modules / --lora-r / --lora-alpha")
+    ddp, optimizer, scheduler = optimize(chunks, args)
+    meta = CheckpointMeta(flux_config, tp_size=parallel.tp, pp_layers=pp_layers[0] if len(pp_layers) == 1 else pp_layers)
+    return Trainable(ddp, optimizer, scheduler, meta, pp_layers, initial, resume, entry)
+
+
+def optimize(chunks, args):
+    """(DDP-wrapped chunks, optimizer, LR schedule) from the Megatron optimizer arguments: every
+    entry's (the trainers' and the benches') one way to make chunks trainable."""
     ddp = wrap_ddp(chunks, args.use_distributed_optimizer)
     optimizer = build_optimizer(ddp, args)
-    meta = CheckpointMeta(flux_config, tp_size=parallel.tp, pp_layers=pp_layers[0] if len(pp_layers) == 1 else pp_layers)
-    return Trainable(ddp, optimizer, build_scheduler(optimizer, args), meta, pp_layers, initial, resume, entry)
+    return ddp, optimizer, build_scheduler(optimizer, args)
+
+
+def attach_lora(chunks, config: lora.LoRAConfig, seed: int, bf16: bool, ranks: Optional[dict] = None,
+                loaded: Optional[dict] = None):
+    """Adapters on each chunk's frozen base (`loaded`: diffusers adapters copied in), the base held
+    in bf16 under `bf16` as autocast would cast it anyway (docs/lora.md): the trainer's LoRA, and
+    the benches'."""
+    for chunk in chunks:
+        lora.add_adapters(chunk, config, seed, ranks or {})
+        if loaded is not None:
+            lora.copy_full_adapters(chunk, loaded, config)
+        if bf16:
+            lora.freeze_base_in_bf16(chunk)
 
 
 def add_lora(chunks, config: lora.LoRAConfig, args, initial: Optional[str], resume: bool) -> dict:
@@ -139,10 +159,5 @@ def add_lora(chunks, config: lora.LoRAConfig, args, initial: Optional[str], resu
         loaded = read_diffusers_lora(args.lora_load, chunks[0].flux_config, config)
         ranks = {name: a.shape[0] for name, (a, _) in loaded.items() if a.shape[0] != config.r}
     load_pretrained(chunks, initial)
-    for chunk in chunks:
-        lora.add_adapters(chunk, config, args.seed, ranks)
-        if loaded is not None:
-            lora.copy_full_adapters(chunk, loaded, config)
-        if args.bf16:
-            lora.freeze_base_in_bf16(chunk)
+    attach_lora(chunks, config, args.seed, args.bf16, ranks, loaded)
     return {"config": config.to_json(), "ranks": ranks, "base": os.path.abspath(initial)}
