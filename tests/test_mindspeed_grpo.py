@@ -5,6 +5,8 @@ with only its variables set (tiny model, 2 iterations, CPU, gloo, a no-op CANN s
 - Two iterations with the KL term equal mm-grpo's own trainer at the same seeds (losses, KL, rewards,
   grad norms, weights, the held-out evaluation before and after), and a run resumed from Megatron's
   checkpoint (`--load`) continues exactly as the uninterrupted one.
+- With MindSpeed-MM's own LoRA (its `--lora-target-modules` flags after the script): only adapters
+  train and are saved, the KL term's reference is their frozen base, and resume is exact.
 - The entry's guards: every refusal is one line per launch before Megatron starts (a torchrun launch
   of two processes, and each refusal in this process); non-finite rewards skip rollouts, never an
   optimizer step or a checkpoint, and `--max-skipped-iterations` of them in a row end the run (exit 3,
@@ -16,6 +18,7 @@ checkpoints it saves.
 import argparse
 import glob
 import json
+import math
 import os
 import re
 import socket
@@ -236,6 +239,48 @@ def test_pretrain_resumed_from_its_checkpoint_continues_identically(runs):
         assert resumed[tag][2] == full[tag][2], tag
     assert resumed["eval/reward_mean"][2] == full["eval/reward_mean"][2]
     a, b = saved_model(runs["full"], 2), saved_model(runs["resumed"], 2)
+    assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a if torch.is_tensor(a[n]))
+
+
+# --- MindSpeed-MM's own LoRA (--lora-target-modules: peft around the policy) --------------------------
+LORA_FLAGS = ["--lora-target-modules", "linear_qkv", "linear_proj", "linear_in", "linear_out", "--lora-r", "4",
+              "--lora-alpha", "8"]
+
+
+@pytest.fixture(scope="module")
+def lora_runs(configs, tmp_path_factory):
+    """grpo_flux.sh with MindSpeed-MM's LoRA flags after it (the script hands them to the entry):
+    2 iterations with the KL term, and the same resumed from the first checkpoint."""
+    _, model_json, data_json, tools_json = configs
+    folder = tmp_path_factory.mktemp("mindspeed_grpo_lora")
+    full, resumed = str(folder / "full"), str(folder / "resumed")
+    run_script(folder / "a", full, model_json, data_json, tools_json, load=str(folder / "nothing_yet"),
+               extra=LORA_FLAGS)
+    run_script(folder / "b", resumed, model_json, data_json, tools_json, load=os.path.join(full, "ckpt"),
+               extra=["--ckpt-step", "1", *LORA_FLAGS])
+    return {"full": full, "resumed": resumed}
+
+
+def test_mindspeed_mm_lora_trains_the_adapters_with_the_kl_term_to_their_base(lora_runs):
+    """Only adapters are saved (MindSpeed-MM's LoRA checkpoint) and they trained; the KL reference is
+    the frozen base (the policy with its adapters off): none before the first step, then > 0."""
+    logged = scalars(lora_runs["full"])
+    assert logged["kl"][1] == 0.0 and logged["kl"][2] > 0 and math.isfinite(logged["kl"][2])
+    assert set(logged["eval/reward_mean"]) == {0, 2}
+    first, saved = saved_model(lora_runs["full"], 1), saved_model(lora_runs["full"], 2)
+    weights = {n for n in saved if torch.is_tensor(saved[n]) and not n.endswith("_extra_state")}
+    assert weights and all(".lora_A." in n or ".lora_B." in n for n in weights), sorted(weights)[:4]
+    assert any(n.startswith("single_blocks.") and ".linear_out." in n for n in weights)
+    assert all(saved[n].abs().max() > 0 for n in weights if ".lora_B." in n)  # B starts at zero
+    assert any(not torch.equal(first[n], saved[n]) for n in weights)
+
+
+def test_mindspeed_mm_lora_run_resumed_continues_identically(lora_runs):
+    full, resumed = scalars(lora_runs["full"]), scalars(lora_runs["resumed"])
+    assert set(resumed["loss"]) == {2}
+    for tag in ("loss", "kl", "reward/mean", "grad-norm"):
+        assert resumed[tag][2] == full[tag][2], tag
+    a, b = saved_model(lora_runs["full"], 2), saved_model(lora_runs["resumed"], 2)
     assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a if torch.is_tensor(a[n]))
 
 

@@ -28,7 +28,8 @@ paths in them are taken from the working directory, as MindSpeed-MM takes them.
 As mm-grpo's own trainer (mm_grpo/training/train_grpo.py), with its pieces: `--save` is locked
 and probed before the first rollout (`run_guard.prepare_save_folder`); a rollout with non-finite
 rewards is skipped, and `--max-skipped-iterations` of them in a row stop the run (exit 3, nothing
-saved of them); `--kl-beta` has its frozen reference, the starting policy; with
+saved of them); `--kl-beta` has its frozen reference, the starting policy (under MindSpeed-MM's
+own LoRA, `--lora-target-modules`, the frozen base: mm_grpo/mindspeed_mm/lora.py); with
 `eval_prompt_file` in `--mm-data`, the held-out evaluation (`Evaluator`) runs before the first
 step, every `--eval-interval` steps (Megatron's flag: this entry has no validation set) and at
 the end.
@@ -57,7 +58,7 @@ from megatron.core.enums import ModelType
 from megatron.training import get_args
 
 import mm_grpo.mindspeed_mm.registry  # noqa: F401  (`"model_id": "flux"` in MindSpeed-MM's predictor mapping)
-from mm_grpo.mindspeed_mm import wan
+from mm_grpo.mindspeed_mm import lora, wan
 from mm_grpo.data import PromptStream
 from mm_grpo.files.jsonfile import load_json
 from mm_grpo.files.lock import RunFolderLocked
@@ -288,9 +289,12 @@ class GRPOInPretrain:
     def reference_policy(self, args, device):
         """The KL term's frozen reference, the starting policy (as mm-grpo's trainer takes it): at
         iteration 0 the policy as `pretrain` built and loaded it (predictor.from_pretrained, or a
-        --load release checkpoint); resumed, predictor.from_pretrained, loaded as PredictModel loads it."""
+        --load release checkpoint); resumed, predictor.from_pretrained, loaded as PredictModel loads it.
+        Under MindSpeed-MM's LoRA, the policy's frozen base: the policy with its adapters off."""
         if not self.launch.settings.kl_beta > 0:
             return None
+        if args.lora_target_modules:
+            return lora.reference_policy(self.policy[0])
         from mindspeed_mm.configs.config import ConfigReader
         from mindspeed_mm.models.common.checkpoint import load_checkpoint
         from mindspeed_mm.models.predictor.predict_model import PredictModel

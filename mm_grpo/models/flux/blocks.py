@@ -11,7 +11,7 @@ from torch import nn
 from mm_grpo import kernels
 from mm_grpo.models.flux.layers import (
     MLP, QKV, CoreAttention, HeadRMSNorm, Modulation, apply_rope, column_linear, gated_residual,
-    layer_norm, modulate, row_linear, split_heads, tp_world_size)
+    layer_norm, modulate, row_linear, row_linear_parts, split_heads, tp_world_size)
 
 
 def _clip_fp16(x):
@@ -91,5 +91,5 @@ class SingleStreamBlock(nn.Module):
         q = apply_rope(self.q_norm(q), rope)
         k = apply_rope(self.k_norm(k), rope)
         o = self.core_attention(q, k, v, key_mask)
-        out = self.linear_out.forward_parts([o, kernels.gelu_tanh(mlp)])
+        out = row_linear_parts(self.linear_out, [o, kernels.gelu_tanh(mlp)])
         return _clip_fp16(gated_residual(x, gate, out))

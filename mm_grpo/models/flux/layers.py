@@ -93,6 +93,15 @@ class RowLinear(RowParallelLinear):
         return _with_adapter(self, parts, out.view(*lead, -1))
 
 
+def row_linear_parts(layer, parts):
+    """`layer(torch.cat(parts, -1))[0]`, through `RowLinear.forward_parts` where the layer is ours;
+    a layer another library wrapped (peft's LoRA, which MindSpeed-MM's --lora-target-modules puts
+    around linear_out) takes the concatenation."""
+    if isinstance(layer, RowLinear):
+        return layer.forward_parts(parts)
+    return layer(torch.cat(parts, dim=-1))[0]
+
+
 def column_linear(in_dim, out_dim, tconfig, gather_output=False):
     return ColumnLinear(in_dim, out_dim, config=tconfig, init_method=_init_normal,
                         bias=True, gather_output=gather_output)

@@ -244,17 +244,21 @@ def adapter_state_dict(chunk) -> dict:
 
 
 @contextlib.contextmanager
-def adapters_disabled(modules: Sequence[nn.Module]):
-    """The base model: adapters skipped, their weights untouched."""
-    found = [a for m in modules for a in adapters(m)]
-    before = [a.enabled for a in found]
-    for a in found:
-        a.enabled = False
+def switched(objects: Sequence, attribute: str, value):
+    """Every object's `attribute` set to `value` inside the block, and restored after."""
+    before = [getattr(o, attribute) for o in objects]
+    for o in objects:
+        setattr(o, attribute, value)
     try:
         yield
     finally:
-        for a, state in zip(found, before):
-            a.enabled = state
+        for o, state in zip(objects, before):
+            setattr(o, attribute, state)
+
+
+def adapters_disabled(modules: Sequence[nn.Module]):
+    """The base model: adapters skipped, their weights untouched."""
+    return switched([a for m in modules for a in adapters(m)], "enabled", False)
 
 
 class AdaptersOff(nn.Module):

@@ -1,0 +1,43 @@
+"""MindSpeed-MM's own LoRA on the models this entry trains.
+
+With `--lora-target-modules`, MindSpeed-MM's `lora_patch` (mindspeed_mm/tasks/finetune/lora/) wraps
+the model `model_provider` returns in peft's LoRA: peft's Megatron layers replace the target
+parallel linears in place and freeze everything else, so the policy `pretrain` trains is the
+frozen base plus adapters. GRPO's KL reference is then that base, read through the policy with
+its adapters off (no second copy), as mm-grpo's own LoRA takes it (models/flux/lora.py
+`AdaptersOff`)."""
+from typing import List
+
+from torch import nn
+
+from mm_grpo.models.flux import lora as flux_lora
+
+
+def tuner_layers(model: nn.Module) -> list:
+    """peft's adapter layers inside `model` (empty without MindSpeed-MM's LoRA)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+def adapters_off(layers):
+    """The base model: the adapters skipped, their weights and requires_grad untouched (peft's
+    `enable_adapters` would also flip requires_grad on parameters DDP has hooked). `_disable_adapters`
+    is the flag peft's forward (and MindSpeed-MM's patched one) reads."""
+    return flux_lora.switched(layers, "_disable_adapters", True)
+
+
+class AdaptersOff(nn.Module):
+    """The policy seen with its peft adapters off."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.module = model
+        self.layers = tuner_layers(model)
+
+    def forward(self, *args, **kwargs):
+        with adapters_off(self.layers):
+            return self.module(*args, **kwargs)
+
+
+def reference_policy(model: nn.Module) -> List[AdaptersOff]:
+    return [AdaptersOff(model)]
