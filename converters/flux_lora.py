@@ -1,6 +1,10 @@
 """FluxConverter's LoRA verbs: a LoRA training checkpoint (adapters only) to a diffusers FLUX LoRA
 file, and merged into its base weights (MindSpeed-MM's `merge_lora_to_base`).
 
+Both read mm-grpo's LoRA checkpoints (`mm_grpo/checkpoint/adapters.py`) and those of MindSpeed-MM's
+own LoRA (`--lora-target-modules` in its `pretrain`: peft's adapter names, the LoRA settings and
+the flux predictor block in Megatron's saved `args`; TP 1 and PP 1).
+
     mm-convert FluxConverter lora_mm_to_hf --cfg.source_path SAVE_DIR --cfg.target_path DIR
     mm-convert FluxConverter merge_lora_to_base --cfg.source_path BASE --cfg.lora_path SAVE_DIR \\
         --cfg.target_path DIR
@@ -13,10 +17,15 @@ from typing import Optional
 from safetensors.torch import save_file
 
 from mm_grpo.checkpoint.adapters import LORA_KEY, AdapterCheckpoint
-from mm_grpo.checkpoint.paths import iteration_dir
+from mm_grpo.checkpoint.paths import SHARD_FILE, iteration_dir, shard_folders
+from mm_grpo.checkpoint.shard_io import ShardReader
 from mm_grpo.files.atomic import atomic_dir
 from mm_grpo.models.flux import lora as flux_lora
+from mm_grpo.models.flux.config import FluxConfig
 from mm_grpo.models.flux.lora_hf import LORA_FILE, to_diffusers
+from mm_grpo.runtime.predictor_block import flux_config_from_block
+
+PEFT_ADAPTER_SUFFIX = ".default.weight"  # peft's name of an adapter's weight (its default adapter)
 
 
 @dataclasses.dataclass
@@ -24,8 +33,8 @@ class LoraMmToHfConfig:
     """Options of `lora_mm_to_hf`.
 
     Args:
-        source_path: A LoRA training checkpoint (--save of a run with --lora-target-modules), or one
-            iteration folder of it; any TP/PP.
+        source_path: A LoRA training checkpoint (--save of a run with --lora-target-modules: mm-grpo's
+            at any TP/PP, MindSpeed-MM's at TP 1 and PP 1), or one iteration folder of it.
         target_path: Folder to create with pytorch_lora_weights.safetensors, which
             FluxPipeline.load_lora_weights(target_path) loads.
         iteration: Iteration to convert; default: the one latest_checkpointed_iteration.txt names.
@@ -44,7 +53,8 @@ class MergeLoraToBaseConfig:
 
     Args:
         source_path: The base weights as a Megatron checkpoint (hf_to_mm's output); any TP/PP.
-        lora_path: A LoRA training checkpoint trained on that base, or one iteration folder of it.
+        lora_path: A LoRA training checkpoint trained on that base (mm-grpo's or MindSpeed-MM's, as
+            for lora_mm_to_hf), or one iteration folder of it.
         target_path: Megatron checkpoint folder to create: W + (alpha / r) B A for every adapted
             linear, in the base's layout (TP, PP stages) and dtype (computed in fp32).
         iteration: Iteration of lora_path; default: its latest.
@@ -65,18 +75,79 @@ def refuse_adapter_checkpoint(ckpt):
                          "or merge it into its base with merge_lora_to_base")
 
 
-def whole_adapters(source: AdapterCheckpoint):
-    """{base weight's first diffusers name: (A, B)} of every adapter, unsharded."""
-    out = {}
-    for base in flux_lora.base_rules(source.flux_config, source.config.targets):
-        rule_a, rule_b = flux_lora.adapter_rules(base)
-        out[base.hf[0]] = source.full(rule_a), source.full(rule_b)
-    return out
+@dataclasses.dataclass
+class Adapters:
+    """A LoRA checkpoint's adapters, whole: {base weight's first diffusers name: (A, B)}."""
+    flux_config: FluxConfig
+    config: flux_lora.LoRAConfig
+    whole: dict
+
+
+def read_adapters(path: str, iteration: Optional[int]) -> Adapters:
+    """The adapters of an mm-grpo or a MindSpeed-MM LoRA checkpoint."""
+    folder = iteration_dir(path, iteration)
+    mindspeed_mm = mindspeed_mm_lora_args(folder)
+    if mindspeed_mm is not None:
+        return mindspeed_mm_adapters(folder, mindspeed_mm)
+    with contextlib.closing(AdapterCheckpoint(folder)) as source:
+        whole = {}
+        for base in flux_lora.base_rules(source.flux_config, source.config.targets):
+            rule_a, rule_b = flux_lora.adapter_rules(base)
+            whole[base.hf[0]] = source.full(rule_a), source.full(rule_b)
+        return Adapters(source.flux_config, source.config, whole)
+
+
+def mindspeed_mm_lora_args(folder: str):
+    """Megatron's saved `args` when `folder` is a MindSpeed-MM LoRA checkpoint (no mm-grpo `lora`
+    entry, peft-named adapters), else None."""
+    found = shard_folders(folder)
+    if (0, 0) not in found:
+        return None
+    reader = ShardReader(os.path.join(folder, found[(0, 0)], SHARD_FILE))
+    try:
+        tree = reader.tree
+        model = tree.get("model")
+        if LORA_KEY in tree or not isinstance(model, dict) or not any(k.endswith(PEFT_ADAPTER_SUFFIX) for k in model):
+            return None
+        return tree.get("args")
+    finally:
+        reader.close()
+
+
+def mindspeed_mm_adapters(folder: str, args) -> Adapters:
+    found = shard_folders(folder)
+    tp, pp = (1 + max(k[i] for k in found) for i in (0, 1))
+    if (tp, pp) != (1, 1):
+        raise ValueError(f"{folder}: a MindSpeed-MM LoRA checkpoint converts at TP 1 and PP 1 (this one: TP {tp}, "
+                         f"PP {pp}); its adapters' sharding at other layouts is not verified")
+    predictor = getattr(getattr(getattr(args, "mm", None), "model", None), "predictor", None)
+    if predictor is None or not getattr(args, "lora_target_modules", None):
+        raise ValueError(f"{folder}: MindSpeed-MM LoRA checkpoint without the flux predictor block or "
+                         "lora_target_modules in its saved args")
+    block = {k: v for k, v in vars(predictor).items() if not k.startswith("_")}  # its fields, not the reader's own
+    flux_config = flux_config_from_block(block)
+    config = flux_lora.LoRAConfig(r=args.lora_r, alpha=float(args.lora_alpha),
+                                  targets=tuple(args.lora_target_modules), dropout=args.lora_dropout)
+    reader = ShardReader(os.path.join(folder, found[(0, 0)], SHARD_FILE))
+    try:
+        model, whole = reader.tree["model"], {}
+        for base in flux_lora.base_rules(flux_config, config.targets):
+            pair = []
+            for rule in flux_lora.adapter_rules(base):
+                name = rule.megatron.removesuffix(".weight") + PEFT_ADAPTER_SUFFIX
+                if name not in model:
+                    raise ValueError(f"{folder}: MindSpeed-MM LoRA checkpoint has no adapter {name} "
+                                     f"(its targets: {list(config.targets)})")
+                pair.append(reader.read(model[name]).clone())
+            whole[base.hf[0]] = tuple(pair)
+    finally:
+        reader.close()
+    return Adapters(flux_config, config, whole)
 
 
 def lora_mm_to_hf(cfg: LoraMmToHfConfig):
-    with contextlib.closing(AdapterCheckpoint(iteration_dir(cfg.source_path, cfg.iteration))) as source:
-        tensors = to_diffusers(whole_adapters(source), source.flux_config, source.config)
+    adapters = read_adapters(cfg.source_path, cfg.iteration)
+    tensors = to_diffusers(adapters.whole, adapters.flux_config, adapters.config)
     with atomic_dir(cfg.target_path, cfg.overwrite) as tmp:
         save_file(tensors, os.path.join(tmp, LORA_FILE), metadata={"format": "pt"})
 
@@ -87,15 +158,14 @@ def merge_lora_to_base(cfg: MergeLoraToBaseConfig, write_megatron, open_checkpoi
     if not is_megatron_checkpoint(cfg.source_path):
         raise ValueError(f"--cfg.source_path {cfg.source_path} is not a Megatron checkpoint: convert the base with "
                          "hf_to_mm first")
-    with contextlib.closing(AdapterCheckpoint(iteration_dir(cfg.lora_path, cfg.iteration))) as source, \
-            contextlib.closing(open_checkpoint(cfg.source_path, None)) as base_ckpt:
-        if base_ckpt.config.to_diffusers_config() != source.flux_config.to_diffusers_config():
+    adapters = read_adapters(cfg.lora_path, cfg.iteration)
+    with contextlib.closing(open_checkpoint(cfg.source_path, None)) as base_ckpt:
+        if base_ckpt.config.to_diffusers_config() != adapters.flux_config.to_diffusers_config():
             raise ValueError(f"{cfg.lora_path} adapts another FLUX architecture than {cfg.source_path}")
         check_target(cfg.target_path, cfg.overwrite, is_megatron_checkpoint)
-        adapters = whole_adapters(source)
-        by_weight = {base.hf: adapters[base.hf[0]]
-                     for base in flux_lora.base_rules(source.flux_config, source.config.targets)}
-        scaling = source.config.scaling
+        by_weight = {base.hf: adapters.whole[base.hf[0]]
+                     for base in flux_lora.base_rules(adapters.flux_config, adapters.config.targets)}
+        scaling = adapters.config.scaling
 
         def full(rule, read):
             if not read:

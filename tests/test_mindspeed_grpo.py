@@ -32,11 +32,11 @@ import torch
 from mm_grpo.files.lock import LOCK_FILE, RunFolderLocked
 from mm_grpo.models.flux import FluxConfig
 from mm_grpo.training.run_guard import TrainingStopped, UnusableSaveFolder
-from tests.fixtures import parallel_1proc  # noqa: F401
+from tests.fixtures import parallel_1proc, peft_without_mindspeed_te_dummies  # noqa: F401
 from tests.grpo_helpers import grpo_argv, run_grpo, write_configs
 from tests.standins.ascend_install import ascend_install
 from tests.testbed import REPO, TESTBED, require_testbed, subprocess_env
-from tests.utils import rel_err
+from tests.utils import make_inputs, reference_output, rel_err
 
 pytestmark = pytest.mark.mindspeed_mm
 TOL = 1e-5
@@ -282,6 +282,56 @@ def test_mindspeed_mm_lora_run_resumed_continues_identically(lora_runs):
         assert resumed[tag][2] == full[tag][2], tag
     a, b = saved_model(lora_runs["full"], 2), saved_model(lora_runs["resumed"], 2)
     assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a if torch.is_tensor(a[n]))
+
+
+def test_mindspeed_mm_lora_checkpoint_converts_to_diffusers_and_merges(lora_runs, tiny_pipeline_dir, tmp_path,
+                                                                        peft_without_mindspeed_te_dummies):
+    """mm-convert's LoRA verbs read MindSpeed-MM's LoRA checkpoint: the diffusers file holds its adapters
+    (B x alpha / r), and diffusers' FLUX with that file loaded equals the merged model."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+    from converters.convert_cli import main as convert
+    from mm_grpo.models.flux import lora
+    from mm_grpo.models.flux.lora_hf import read_diffusers_lora
+    ckpt = os.path.join(lora_runs["full"], "ckpt")
+    exported, base, merged = (str(tmp_path / n) for n in ("lora", "base", "merged"))
+    for verb, *options in (("lora_mm_to_hf", "source_path", ckpt, "target_path", exported),
+                           ("hf_to_mm", "source_path", str(tiny_pipeline_dir / "transformer"), "target_path", base),
+                           ("merge_lora_to_base", "source_path", base, "lora_path", ckpt, "target_path", merged),
+                           ("mm_to_hf", "source_path", merged, "target_path", merged + "_hf")):
+        convert(["FluxConverter", verb, *(f"--cfg.{o}" if i % 2 == 0 else o for i, o in enumerate(options))])
+    config = FluxConfig.from_diffusers_config(str(tiny_pipeline_dir / "transformer"))
+    targets = tuple(LORA_FLAGS[1:LORA_FLAGS.index("--lora-r")])
+    loaded = read_diffusers_lora(exported, config, lora.LoRAConfig(4, 8.0, targets))
+    saved = saved_model(lora_runs["full"], 2)
+    for base_rule in lora.base_rules(config, targets):
+        for rule, tensor in zip(lora.adapter_rules(base_rule), loaded[base_rule.hf[0]]):
+            assert torch.equal(tensor, saved[rule.megatron.removesuffix(".weight") + ".default.weight"]), rule.megatron
+
+    pipe = FluxPipeline.from_pretrained(tiny_pipeline_dir)
+    pipe.load_lora_weights(exported)
+    inputs = make_inputs(config, batch=2, height=4, width=4, txt_len=32)
+    with torch.no_grad():
+        with_lora = reference_output(pipe.transformer, inputs)
+        pipe.transformer.disable_lora()
+        base_out = reference_output(pipe.transformer, inputs)
+        merged_out = reference_output(FluxTransformer2DModel.from_pretrained(merged + "_hf"), inputs)
+    assert rel_err(merged_out, with_lora) <= 1e-5
+    assert rel_err(with_lora, base_out) > 1e-4  # two steps of training moved the adapters' output (1.9e-3)
+
+
+def test_a_mindspeed_mm_lora_checkpoint_of_another_layout_is_refused(lora_runs, tmp_path, capsys):
+    import shutil
+    from converters.convert_cli import main as convert
+    iteration = os.path.join(lora_runs["full"], "ckpt", "iter_0000002")
+    copy = tmp_path / "iter_0000002"
+    for rank in ("mp_rank_00", "mp_rank_01"):  # as TP 2 saves it
+        shutil.copytree(os.path.join(iteration, "mp_rank_00"), copy / rank)
+    with pytest.raises(SystemExit) as info:
+        convert(["FluxConverter", "lora_mm_to_hf", "--cfg.source_path", str(copy), "--cfg.target_path",
+                 str(tmp_path / "lora")])
+    assert info.value.code == 1 and not (tmp_path / "lora").exists()
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("mm-convert: error: ") and "converts at TP 1 and PP 1 (this one: TP 2, PP 1)" in err
 
 
 # --- guards: refusals before Megatron starts ------------------------------------------------------
