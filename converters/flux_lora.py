@@ -3,7 +3,7 @@ file, and merged into its base weights (MindSpeed-MM's `merge_lora_to_base`).
 
 Both read mm-grpo's LoRA checkpoints (`mm_grpo/checkpoint/adapters.py`) and those of MindSpeed-MM's
 own LoRA (`--lora-target-modules` in its `pretrain`: peft's adapter names, the LoRA settings and
-the flux predictor block in Megatron's saved `args`; TP 1 and PP 1).
+the flux predictor block in Megatron's saved `args`; any TP, PP 1).
 
     mm-convert FluxConverter lora_mm_to_hf --cfg.source_path SAVE_DIR --cfg.target_path DIR
     mm-convert FluxConverter merge_lora_to_base --cfg.source_path BASE --cfg.lora_path SAVE_DIR \\
@@ -20,6 +20,7 @@ from mm_grpo.checkpoint.adapters import LORA_KEY, AdapterCheckpoint
 from mm_grpo.checkpoint.paths import SHARD_FILE, iteration_dir, shard_folders
 from mm_grpo.checkpoint.shard_io import ShardReader
 from mm_grpo.files.atomic import atomic_dir
+from mm_grpo.models.flux import layout
 from mm_grpo.models.flux import lora as flux_lora
 from mm_grpo.models.flux.config import FluxConfig
 from mm_grpo.models.flux.lora_hf import LORA_FILE, to_diffusers
@@ -34,7 +35,7 @@ class LoraMmToHfConfig:
 
     Args:
         source_path: A LoRA training checkpoint (--save of a run with --lora-target-modules: mm-grpo's
-            at any TP/PP, MindSpeed-MM's at TP 1 and PP 1), or one iteration folder of it.
+            at any TP/PP, MindSpeed-MM's at any TP and PP 1), or one iteration folder of it.
         target_path: Folder to create with pytorch_lora_weights.safetensors, which
             FluxPipeline.load_lora_weights(target_path) loads.
         iteration: Iteration to convert; default: the one latest_checkpointed_iteration.txt names.
@@ -115,11 +116,13 @@ def mindspeed_mm_lora_args(folder: str):
 
 
 def mindspeed_mm_adapters(folder: str, args) -> Adapters:
+    """peft shards the adapters over TP as mm-grpo's adapter rules do (tested at TP 2 against
+    mm-grpo's LoRA: tests/distributed/checks_mindspeed_mm.py)."""
     found = shard_folders(folder)
     tp, pp = (1 + max(k[i] for k in found) for i in (0, 1))
-    if (tp, pp) != (1, 1):
-        raise ValueError(f"{folder}: a MindSpeed-MM LoRA checkpoint converts at TP 1 and PP 1 (this one: TP {tp}, "
-                         f"PP {pp}); its adapters' sharding at other layouts is not verified")
+    if pp != 1 or set(found) != {(r, 0) for r in range(tp)}:
+        raise ValueError(f"{folder}: a MindSpeed-MM LoRA checkpoint converts at PP 1 (this one: TP {tp}, PP {pp}, "
+                         f"shards {sorted(found.values())}); its adapters' layout under PP is not verified")
     predictor = getattr(getattr(getattr(args, "mm", None), "model", None), "predictor", None)
     if predictor is None or not getattr(args, "lora_target_modules", None):
         raise ValueError(f"{folder}: MindSpeed-MM LoRA checkpoint without the flux predictor block or "
@@ -128,20 +131,22 @@ def mindspeed_mm_adapters(folder: str, args) -> Adapters:
     flux_config = flux_config_from_block(block)
     config = flux_lora.LoRAConfig(r=args.lora_r, alpha=float(args.lora_alpha),
                                   targets=tuple(args.lora_target_modules), dropout=args.lora_dropout)
-    reader = ShardReader(os.path.join(folder, found[(0, 0)], SHARD_FILE))
+    readers = [ShardReader(os.path.join(folder, found[(r, 0)], SHARD_FILE)) for r in range(tp)]
     try:
-        model, whole = reader.tree["model"], {}
+        whole = {}
         for base in flux_lora.base_rules(flux_config, config.targets):
             pair = []
             for rule in flux_lora.adapter_rules(base):
                 name = rule.megatron.removesuffix(".weight") + PEFT_ADAPTER_SUFFIX
-                if name not in model:
+                if name not in readers[0].tree["model"]:
                     raise ValueError(f"{folder}: MindSpeed-MM LoRA checkpoint has no adapter {name} "
                                      f"(its targets: {list(config.targets)})")
-                pair.append(reader.read(model[name]).clone())
+                shards = readers[:1] if rule.shard == "replicated" else readers
+                pair.append(layout.unshard(rule, [r.read(r.get("model", name)) for r in shards], flux_config))
             whole[base.hf[0]] = tuple(pair)
     finally:
-        reader.close()
+        for reader in readers:
+            reader.close()
     return Adapters(flux_config, config, whole)
 
 

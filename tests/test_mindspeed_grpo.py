@@ -319,19 +319,45 @@ def test_mindspeed_mm_lora_checkpoint_converts_to_diffusers_and_merges(lora_runs
     assert rel_err(with_lora, base_out) > 1e-4  # two steps of training moved the adapters' output (1.9e-3)
 
 
-def test_a_mindspeed_mm_lora_checkpoint_of_another_layout_is_refused(lora_runs, tmp_path, capsys):
-    import shutil
+def _lora_checkpoint_copy(lora_runs, folder, layout_of):
+    """Iteration 2 of the LoRA run rewritten as other shards: {shard folder: (tp rank, tp size)}."""
+    from mm_grpo.models.flux import layout
+    from mm_grpo.models.flux import lora
+    config = FluxConfig.preset("tiny")  # the tiny pipeline's transformer
+    rules = {r.megatron.removesuffix(".weight") + ".default.weight": r for base in lora.base_rules(
+        config, lora.TARGETS) for r in lora.adapter_rules(base)}
+    source = os.path.join(lora_runs["full"], "ckpt", "iter_0000002", "mp_rank_00", "model_optim_rng.pt")
+    for name, (rank, size) in layout_of.items():
+        state = torch.load(source, map_location="cpu", weights_only=False)
+        state["model"] = {k: layout.shard(rules[k], v, rank, size, config) if k in rules else v
+                          for k, v in state["model"].items()}
+        os.makedirs(folder / name)
+        torch.save(state, folder / name / "model_optim_rng.pt")
+    return folder
+
+
+def test_a_tp2_mindspeed_mm_lora_checkpoint_converts_as_its_tp1_original(lora_runs, tmp_path):
+    """Adapters sharded as peft shards them at TP 2 (tests/distributed: the same rules) read back whole."""
     from converters.convert_cli import main as convert
-    iteration = os.path.join(lora_runs["full"], "ckpt", "iter_0000002")
-    copy = tmp_path / "iter_0000002"
-    for rank in ("mp_rank_00", "mp_rank_01"):  # as TP 2 saves it
-        shutil.copytree(os.path.join(iteration, "mp_rank_00"), copy / rank)
+    from safetensors.torch import load_file
+    tp2 = _lora_checkpoint_copy(lora_runs, tmp_path / "iter_0000002", {"mp_rank_00": (0, 2), "mp_rank_01": (1, 2)})
+    for source, target in ((os.path.join(lora_runs["full"], "ckpt"), "tp1"), (str(tp2), "tp2")):
+        convert(["FluxConverter", "lora_mm_to_hf", "--cfg.source_path", source, "--cfg.target_path",
+                 str(tmp_path / target)])
+    a, b = (load_file(tmp_path / t / "pytorch_lora_weights.safetensors") for t in ("tp1", "tp2"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_mindspeed_mm_lora_checkpoint_under_pp_is_refused(lora_runs, tmp_path, capsys):
+    from converters.convert_cli import main as convert
+    pp2 = _lora_checkpoint_copy(lora_runs, tmp_path / "iter_0000002",
+                                {"mp_rank_00_000": (0, 1), "mp_rank_00_001": (0, 1)})
     with pytest.raises(SystemExit) as info:
-        convert(["FluxConverter", "lora_mm_to_hf", "--cfg.source_path", str(copy), "--cfg.target_path",
+        convert(["FluxConverter", "lora_mm_to_hf", "--cfg.source_path", str(pp2), "--cfg.target_path",
                  str(tmp_path / "lora")])
     assert info.value.code == 1 and not (tmp_path / "lora").exists()
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("mm-convert: error: ") and "converts at TP 1 and PP 1 (this one: TP 2, PP 1)" in err
+    assert err.startswith("mm-convert: error: ") and "converts at PP 1 (this one: TP 1, PP 2" in err
 
 
 # --- guards: refusals before Megatron starts ------------------------------------------------------

@@ -10,6 +10,7 @@ import contextlib
 import io
 import os
 import tempfile
+import types
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,8 @@ from mm_grpo.parallel.state import STAT_DTYPE
 from mm_grpo.runtime.chunks import forward_backward
 from tests.distributed.worker import check
 from tests.testbed import install_standins
-from tests.utils import gather_tp, make_inputs, random_reference, reference_output, rel_err
+from tests.utils import (_gather_whole, gather_tp, make_inputs, random_adapters, random_reference, reference_output,
+                         rel_err)
 
 install_standins()
 import mm_grpo.mindspeed_mm.registry  # noqa: E402,F401  (registers flux as MindSpeed-MM imports it)
@@ -127,9 +129,10 @@ def _sora_loss(tmp, ref, tp=1, cp=1):
     return loss, drawn[0], model, gather_tp(model.predictor, "grad")
 
 
-def _our_flow_loss(ref, drawn):
+def _our_flow_loss(ref, drawn, adapters=None):
     """mm-grpo's flow-matching loss on the scheduler's draw, single-process model, times the
-    scheduler's timestep weight (tests/test_mindspeed_mm_sora.py shows the single-process case)."""
+    scheduler's timestep weight (tests/test_mindspeed_mm_sora.py shows the single-process case).
+    `adapters`: (LoRAConfig, whole adapters) of mm-grpo's LoRA on the model."""
     from mm_grpo.flow.matching import flow_matching_loss
     from mm_grpo.models.flux import FluxTransformer
     from mm_grpo.models.flux.hf_weights import load_hf_weights
@@ -139,6 +142,10 @@ def _our_flow_loss(ref, drawn):
     noised, noise, timestep = drawn
     initialize_parallel(ParallelConfig())
     ours = load_hf_weights(FluxTransformer(CONFIG), ref.state_dict())
+    if adapters is not None:
+        from mm_grpo.models.flux import lora
+        lora.add_adapters(ours, adapters[0], seed=0)
+        lora.copy_full_adapters(ours, adapters[1], adapters[0])
     t5, pooled = batch["prompt_ids"]
     v = ours(pack_latents(noised), t5, pooled, (timestep / 1000).expand(2), prepare_latent_image_ids(4, 4),
              torch.zeros(t5.shape[1], 3), guidance=torch.full((2,), 3.5))
@@ -169,6 +176,55 @@ def pretrain_sora_flow_step_tp2_matches_mm_grpo():
 @check(2)
 def pretrain_sora_flow_step_cp2_matches_mm_grpo():
     return _sora_matches(cp=2)
+
+
+@check(2)
+def pretrain_sora_lora_tp2_matches_mm_grpo_lora():
+    """MindSpeed-MM's own LoRA (--lora-target-modules: peft around the model, through its patched
+    `get_model`) at TP2: whole random adapters sharded into peft's parameters by mm-grpo's adapter
+    layout rules give the loss and the whole adapter gradients of mm-grpo's single-process LoRA.
+    So peft shards adapters as those rules do (what lora_mm_to_hf reads them by)."""
+    import re
+    from megatron.training import training
+    from mm_grpo.models.flux import lora
+    from mm_grpo.models.flux import layout
+    from tests.sora_helpers import feature_batch, pretrain_sora, record_q_sample, set_megatron_args, write_configs
+    config = lora.LoRAConfig(r=4, alpha=8.0)
+    ref = random_reference(CONFIG, seed=8)
+    tp = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        initialize_parallel(ParallelConfig(tp=tp))
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        set_megatron_args(*write_configs(tmp, CONFIG, ref.state_dict()), tp=tp,
+                          extra=("--lora-target-modules", *config.targets, "--lora-r", str(config.r),
+                                 "--lora-alpha", str(int(config.alpha))))
+        sora = pretrain_sora()
+        with contextlib.redirect_stdout(io.StringIO()):
+            wrapped = training.get_model(sora["model_provider"], wrap_with_ddp=False)[0]
+    peft = {f"{m[1]}.lora_{m[2]}.weight": p for n, p in wrapped.named_parameters()
+            if (m := re.match(r"^(?:.*?predictor\.)?(.+)\.lora_([AB])\.default\.weight$", n))}
+    full = random_adapters(types.SimpleNamespace(flux_config=CONFIG), config)  # the same on every rank
+    with torch.no_grad():
+        for base in lora.base_rules(CONFIG, config.targets):
+            for rule, tensor in zip(lora.adapter_rules(base), full[base.hf[0]]):
+                peft[rule.megatron].copy_(layout.shard(rule, tensor, tp_rank, tp, CONFIG))
+    model = getattr(wrapped, "module", wrapped)
+    drawn = record_q_sample(model)
+    torch.manual_seed(7)  # the scheduler's draws: the same on every rank
+    output, loss_func = sora["forward_step"](iter([feature_batch(CONFIG)]), wrapped)
+    loss = loss_func(output)[0]
+    loss.sum().backward()
+    rules = [r for base in lora.base_rules(CONFIG, config.targets) for r in lora.adapter_rules(base)]
+    grads = {r.megatron: _gather_whole(peft[r.megatron].grad, r, CONFIG) for r in rules}
+
+    initialize_parallel(ParallelConfig())
+    ours_loss, ours = _our_flow_loss(ref, drawn[0], adapters=(config, full))
+    expected = model.diffusion._training_weight(drawn[0][2]) * ours_loss
+    expected.backward()
+    params = dict(ours.named_parameters())
+    grad_err = max(rel_err(g, params[name].grad) for name, g in grads.items())
+    return {"n_adapters": len(grads), "loss": loss.item(), "expected": expected.item(), "loss_err": _world_max(abs(loss.item() - expected.item()) / abs(expected.item())),
+            "grad_err": _world_max(grad_err)}
 
 
 def sora_pp2_flow_step_matches_mm_grpo():

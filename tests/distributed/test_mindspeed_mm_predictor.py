@@ -32,6 +32,15 @@ def test_pretrain_sora_flow_step_equals_mm_grpo(torchrun, layout):
     assert m["grad_err"] <= TOL
 
 
+def test_mindspeed_mm_lora_at_tp2_equals_mm_grpo_lora(torchrun):
+    """MindSpeed-MM's own LoRA (peft) at TP2 with whole adapters sharded by mm-grpo's adapter layout
+    rules: loss and whole adapter gradients equal mm-grpo's single-process LoRA (docs/lora.md)."""
+    m = check_result(torchrun(2), "pretrain_sora_lora_tp2_matches_mm_grpo_lora")
+    assert m["n_adapters"] == 2 * (2 * 2 * 4 + 6 * 2)  # A and B: 2 double blocks x 2 streams x 4 + 6 single x 2
+    assert m["loss_err"] <= TOL
+    assert m["grad_err"] <= 1e-4
+
+
 def test_pretrain_sora_flow_step_under_pipeline_parallelism(tmp_path):
     """pretrain_sora.py at PP2 through MindSpeed's multi-tensor pipeline schedule (the predictor's
     initialize_pipeline_tensor_shapes and pipeline_set_*_stage_tensor): loss and every stage's
