@@ -128,6 +128,9 @@ def mindspeed_mm_adapters(folder: str, args) -> Adapters:
         raise ValueError(f"{folder}: MindSpeed-MM LoRA checkpoint without the flux predictor block or "
                          "lora_target_modules in its saved args")
     block = {k: v for k, v in vars(predictor).items() if not k.startswith("_")}  # its fields, not the reader's own
+    if block.get("model_id") != "flux":
+        raise ValueError(f"{folder}: a LoRA checkpoint of MindSpeed-MM's {block.get('model_id')!r} predictor; "
+                         "FluxConverter converts FLUX ('flux') only")
     flux_config = flux_config_from_block(block)
     config = flux_lora.LoRAConfig(r=args.lora_r, alpha=float(args.lora_alpha),
                                   targets=tuple(args.lora_target_modules), dropout=args.lora_dropout)
