@@ -319,8 +319,9 @@ def test_mindspeed_mm_lora_checkpoint_converts_to_diffusers_and_merges(lora_runs
     assert rel_err(with_lora, base_out) > 1e-4  # two steps of training moved the adapters' output (1.9e-3)
 
 
-def _lora_checkpoint_copy(lora_runs, folder, layout_of):
-    """Iteration 2 of the LoRA run rewritten as other shards: {shard folder: (tp rank, tp size)}."""
+def _lora_checkpoint_copy(lora_runs, folder, layout_of, edit=lambda state: None):
+    """Iteration 2 of the LoRA run rewritten as other shards: {shard folder: (tp rank, tp size)};
+    `edit(state)` changes each shard's state before it is saved."""
     from mm_grpo.models.flux import layout
     from mm_grpo.models.flux import lora
     config = FluxConfig.preset("tiny")  # the tiny pipeline's transformer
@@ -331,6 +332,7 @@ def _lora_checkpoint_copy(lora_runs, folder, layout_of):
         state = torch.load(source, map_location="cpu", weights_only=False)
         state["model"] = {k: layout.shard(rules[k], v, rank, size, config) if k in rules else v
                           for k, v in state["model"].items()}
+        edit(state)
         os.makedirs(folder / name)
         torch.save(state, folder / name / "model_optim_rng.pt")
     return folder
@@ -348,16 +350,24 @@ def test_a_tp2_mindspeed_mm_lora_checkpoint_converts_as_its_tp1_original(lora_ru
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_mindspeed_mm_lora_checkpoint_under_pp_is_refused(lora_runs, tmp_path, capsys):
+def _wandit(state):
+    state["args"].mm.model.predictor.model_id = "wandit"
+
+
+@pytest.mark.parametrize("layout_of,edit,match", [
+    ({"mp_rank_00_000": (0, 1), "mp_rank_00_001": (0, 1)}, lambda state: None, "converts at PP 1 (this one: TP 1, PP 2"),
+    ({"mp_rank_00": (0, 1)}, _wandit, "MindSpeed-MM's 'wandit' predictor; FluxConverter converts FLUX"),
+], ids=["pp2", "wandit"])
+def test_a_mindspeed_mm_lora_checkpoint_it_cannot_read_is_refused(lora_runs, tmp_path, capsys, layout_of, edit,
+                                                                   match):
     from converters.convert_cli import main as convert
-    pp2 = _lora_checkpoint_copy(lora_runs, tmp_path / "iter_0000002",
-                                {"mp_rank_00_000": (0, 1), "mp_rank_00_001": (0, 1)})
+    copy = _lora_checkpoint_copy(lora_runs, tmp_path / "iter_0000002", layout_of, edit)
     with pytest.raises(SystemExit) as info:
-        convert(["FluxConverter", "lora_mm_to_hf", "--cfg.source_path", str(pp2), "--cfg.target_path",
+        convert(["FluxConverter", "lora_mm_to_hf", "--cfg.source_path", str(copy), "--cfg.target_path",
                  str(tmp_path / "lora")])
     assert info.value.code == 1 and not (tmp_path / "lora").exists()
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("mm-convert: error: ") and "converts at PP 1 (this one: TP 1, PP 2" in err
+    assert err.startswith("mm-convert: error: ") and match in err, err
 
 
 # --- guards: refusals before Megatron starts ------------------------------------------------------
