@@ -164,6 +164,16 @@ def test_free_space_short_of_a_checkpoint_is_warned(parallel_1proc, configs, tmp
     assert len(warning) == 1 and "0.00 GiB free, a checkpoint needs about 0.0" in warning[0], err
 
 
+def test_a_checkpoint_is_sized_by_what_it_holds(parallel_1proc):
+    """Full fine-tuning saves every weight with Adam's two fp32 moments; a LoRA run its adapters only."""
+    from mm_grpo.models.flux import FluxConfig, FluxTransformer, lora
+    model = FluxTransformer(FluxConfig.preset("tiny"))
+    assert run_guard.checkpoint_bytes([model]) == 12 * sum(p.numel() for p in model.parameters())
+    lora.add_adapters(model, lora.LoRAConfig(r=4), seed=0)
+    adapters = [p for n, p in model.named_parameters() if ".lora_" in n]
+    assert adapters and run_guard.checkpoint_bytes([model]) == 12 * sum(p.numel() for p in adapters)
+
+
 def test_stale_temps_of_ours_are_removed_at_start(parallel_1proc, configs, tmp_path):
     save = tmp_path / "ckpt"
     host = socket.gethostname()

@@ -123,14 +123,15 @@ def prepare_save_folder(folder: str, checkpoint_bytes: int):
 
 
 def checkpoint_bytes(chunks) -> int:
-    """Collective: about what one checkpoint takes, over all ranks that write shards: each weight
-    in its dtype plus fp32 master weights and Adam's two moments for a non-fp32 one, or the two
-    moments for an fp32 one."""
+    """Collective: about what one checkpoint takes, over all ranks that write shards: each trained
+    weight in its dtype plus fp32 master weights and Adam's two moments for a non-fp32 one, or the
+    two moments for an fp32 one. Frozen weights are not saved (a LoRA run's base: mm-grpo's and
+    MindSpeed-MM's LoRA checkpoints hold the adapters)."""
     import torch
     from megatron.core import parallel_state
     writes = parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_context_parallel_rank() == 0
     local = sum(p.numel() * (p.element_size() + (8 if p.dtype == torch.float32 else 12))
-                for chunk in chunks for p in chunk.parameters()) if writes else 0
+                for chunk in chunks for p in chunk.parameters() if p.requires_grad) if writes else 0
     total = torch.tensor(local, dtype=torch.int64)  # not float64: see mm_grpo.parallel.state.STAT_DTYPE
     if dist.get_world_size() > 1 and dist.get_backend() == "gloo":
         dist.all_reduce(total)
