@@ -87,9 +87,14 @@ class Adapters:
 def read_adapters(path: str, iteration: Optional[int]) -> Adapters:
     """The adapters of an mm-grpo or a MindSpeed-MM LoRA checkpoint."""
     folder = iteration_dir(path, iteration)
-    mindspeed_mm = mindspeed_mm_lora_args(folder)
-    if mindspeed_mm is not None:
-        return mindspeed_mm_adapters(folder, mindspeed_mm)
+    found = shard_folders(folder)
+    if (0, 0) in found:
+        first = ShardReader(os.path.join(folder, found[(0, 0)], SHARD_FILE))
+        try:
+            if is_mindspeed_mm_lora(first.tree):
+                return mindspeed_mm_adapters(folder, found, first)
+        finally:
+            first.close()
     with contextlib.closing(AdapterCheckpoint(folder)) as source:
         whole = {}
         for base in flux_lora.base_rules(source.flux_config, source.config.targets):
@@ -98,31 +103,22 @@ def read_adapters(path: str, iteration: Optional[int]) -> Adapters:
         return Adapters(source.flux_config, source.config, whole)
 
 
-def mindspeed_mm_lora_args(folder: str):
-    """Megatron's saved `args` when `folder` is a MindSpeed-MM LoRA checkpoint (no mm-grpo `lora`
-    entry, peft-named adapters), else None."""
-    found = shard_folders(folder)
-    if (0, 0) not in found:
-        return None
-    reader = ShardReader(os.path.join(folder, found[(0, 0)], SHARD_FILE))
-    try:
-        tree = reader.tree
-        model = tree.get("model")
-        if LORA_KEY in tree or not isinstance(model, dict) or not any(k.endswith(PEFT_ADAPTER_SUFFIX) for k in model):
-            return None
-        return tree.get("args")
-    finally:
-        reader.close()
+def is_mindspeed_mm_lora(tree) -> bool:
+    """A shard of MindSpeed-MM's LoRA: no mm-grpo `lora` entry, peft-named adapters."""
+    model = tree.get("model")
+    return (LORA_KEY not in tree and isinstance(model, dict)
+            and any(k.endswith(PEFT_ADAPTER_SUFFIX) for k in model))
 
 
-def mindspeed_mm_adapters(folder: str, args) -> Adapters:
-    """peft shards the adapters over TP as mm-grpo's adapter rules do (tested at TP 2 against
+def mindspeed_mm_adapters(folder: str, found: dict, first: ShardReader) -> Adapters:
+    """The LoRA settings and the flux block from Megatron's saved `args` (in `first`, the TP 0
+    shard). peft shards the adapters over TP as mm-grpo's adapter rules do (tested at TP 2 against
     mm-grpo's LoRA: tests/distributed/checks_mindspeed_mm.py)."""
-    found = shard_folders(folder)
     tp, pp = (1 + max(k[i] for k in found) for i in (0, 1))
     if pp != 1 or set(found) != {(r, 0) for r in range(tp)}:
         raise ValueError(f"{folder}: a MindSpeed-MM LoRA checkpoint converts at PP 1 (this one: TP {tp}, PP {pp}, "
                          f"shards {sorted(found.values())}); its adapters' layout under PP is not verified")
+    args = first.tree.get("args")
     predictor = getattr(getattr(getattr(args, "mm", None), "model", None), "predictor", None)
     if predictor is None or not getattr(args, "lora_target_modules", None):
         raise ValueError(f"{folder}: MindSpeed-MM LoRA checkpoint without the flux predictor block or "
@@ -134,21 +130,22 @@ def mindspeed_mm_adapters(folder: str, args) -> Adapters:
     flux_config = flux_config_from_block(block)
     config = flux_lora.LoRAConfig(r=args.lora_r, alpha=float(args.lora_alpha),
                                   targets=tuple(args.lora_target_modules), dropout=args.lora_dropout)
-    readers = [ShardReader(os.path.join(folder, found[(r, 0)], SHARD_FILE)) for r in range(tp)]
+    others = [ShardReader(os.path.join(folder, found[(r, 0)], SHARD_FILE)) for r in range(1, tp)]
+    readers = [first, *others]
     try:
         whole = {}
         for base in flux_lora.base_rules(flux_config, config.targets):
             pair = []
             for rule in flux_lora.adapter_rules(base):
                 name = rule.megatron.removesuffix(".weight") + PEFT_ADAPTER_SUFFIX
-                if name not in readers[0].tree["model"]:
+                if name not in first.tree["model"]:
                     raise ValueError(f"{folder}: MindSpeed-MM LoRA checkpoint has no adapter {name} "
                                      f"(its targets: {list(config.targets)})")
                 shards = readers[:1] if rule.shard == "replicated" else readers
                 pair.append(layout.unshard(rule, [r.read(r.get("model", name)) for r in shards], flux_config))
             whole[base.hf[0]] = tuple(pair)
     finally:
-        for reader in readers:
+        for reader in others:
             reader.close()
     return Adapters(flux_config, config, whole)
 

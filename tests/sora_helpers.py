@@ -2,6 +2,7 @@
 in MindSpeed-MM's environment (tests/testbed.py). Shared by single-process and torchrun tests."""
 import json
 import os
+import re
 import runpy
 import sys
 
@@ -121,3 +122,16 @@ def write_feature_dataset(folder, batch: dict, data_json: str, image_size=(64, 6
                                  "pin_memory": False}}
     with open(data_json, "w") as f:
         json.dump(data, f)
+
+
+PEFT_ADAPTER = re.compile(r"^(?:.*?predictor\.)?(.+)\.lora_([AB])\.default\.weight$")
+
+
+def peft_adapters(model) -> dict:
+    """{mm-grpo's parameter name: peft's parameter} of the adapters MindSpeed-MM's LoRA put on `model`."""
+    found = {}
+    for name, p in model.named_parameters():
+        m = PEFT_ADAPTER.match(name)
+        if m:
+            found[f"{m[1]}.lora_{m[2]}.weight"] = p
+    return found

@@ -5,8 +5,6 @@ written without peft) holding the same A and B: the flow-matching step's loss an
 gradient agree, peft adapts exactly the linears mm-grpo's LoRA adapts for the same names, and only
 adapters train. GRPO with this LoRA inside `pretrain` (its KL reference, save and resume):
 tests/test_mindspeed_grpo.py."""
-import re
-
 import pytest
 import torch
 
@@ -15,24 +13,14 @@ from mm_grpo.flow.matching import flow_matching_loss
 from mm_grpo.models.flux import FluxConfig, FluxTransformer, lora
 from mm_grpo.models.flux.hf_weights import load_hf_weights
 from tests.fixtures import parallel_1proc  # noqa: F401
-from tests.sora_helpers import feature_batch, pretrain_sora, record_q_sample, set_megatron_args, write_configs
+from tests.sora_helpers import (PEFT_ADAPTER, feature_batch, peft_adapters, pretrain_sora, record_q_sample,
+                                set_megatron_args, write_configs)
 from tests.testbed import require_testbed
 from tests.utils import random_reference
 
 pytestmark = pytest.mark.mindspeed_mm
 TINY = FluxConfig.preset("tiny")
 R, ALPHA = 4, 8  # MindSpeed-MM parses --lora-alpha as an int
-PEFT_ADAPTER = re.compile(r"^(?:.*?predictor\.)?(.+)\.lora_([AB])\.default\.weight$")
-
-
-def peft_adapters(model) -> dict:
-    """{mm-grpo's parameter name: peft's parameter} of the wrapped model's adapters."""
-    found = {}
-    for name, p in model.named_parameters():
-        m = PEFT_ADAPTER.match(name)
-        if m:
-            found[f"{m[1]}.lora_{m[2]}.weight"] = p
-    return found
 
 
 def test_mindspeed_mm_lora_on_flux_equals_mm_grpo_lora(parallel_1proc, tmp_path):

@@ -19,24 +19,17 @@ def tuner_layers(model: nn.Module) -> list:
     return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
 
 
-def adapters_off(layers):
-    """The base model: the adapters skipped, their weights and requires_grad untouched (peft's
-    `enable_adapters` would also flip requires_grad on parameters DDP has hooked). `_disable_adapters`
-    is the flag peft's forward (and MindSpeed-MM's patched one) reads."""
-    return flux_lora.switched(layers, "_disable_adapters", True)
-
-
-class AdaptersOff(nn.Module):
-    """The policy seen with its peft adapters off."""
+class AdaptersOff(flux_lora.AdaptersOff):
+    """The policy seen with its peft adapters off: their weights and requires_grad untouched (peft's
+    `enable_adapters` would also flip requires_grad on parameters DDP has hooked)."""
 
     def __init__(self, model: nn.Module):
-        super().__init__()
-        self.module = model
+        super().__init__(model)
         self.layers = tuner_layers(model)
 
-    def forward(self, *args, **kwargs):
-        with adapters_off(self.layers):
-            return self.module(*args, **kwargs)
+    def adapters_off(self):
+        # `_disable_adapters`: the flag peft's forward (and MindSpeed-MM's patched one) reads.
+        return flux_lora.switched(self.layers, "_disable_adapters", True)
 
 
 def reference_policy(model: nn.Module) -> List[AdaptersOff]:

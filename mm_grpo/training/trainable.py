@@ -131,7 +131,7 @@ def attach_lora(chunks, config: lora.LoRAConfig, seed: int, bf16: bool, ranks: O
     in bf16 under `bf16` as autocast would cast it anyway (docs/lora.md): the trainer's LoRA, and
     the benches'."""
     for chunk in chunks:
-        lora.add_adapters(chunk, config, seed, ranks or {})
+        lora.add_adapters(chunk, config, seed, ranks)
         if loaded is not None:
             lora.copy_full_adapters(chunk, loaded, config)
         if bf16:

@@ -184,11 +184,11 @@ def pretrain_sora_lora_tp2_matches_mm_grpo_lora():
     `get_model`) at TP2: whole random adapters sharded into peft's parameters by mm-grpo's adapter
     layout rules give the loss and the whole adapter gradients of mm-grpo's single-process LoRA.
     So peft shards adapters as those rules do (what lora_mm_to_hf reads them by)."""
-    import re
     from megatron.training import training
     from mm_grpo.models.flux import lora
     from mm_grpo.models.flux import layout
-    from tests.sora_helpers import feature_batch, pretrain_sora, record_q_sample, set_megatron_args, write_configs
+    from tests.sora_helpers import (feature_batch, peft_adapters, pretrain_sora, record_q_sample, set_megatron_args,
+                                    write_configs)
     config = lora.LoRAConfig(r=4, alpha=8.0)
     ref = random_reference(CONFIG, seed=8)
     tp = 2
@@ -201,8 +201,7 @@ def pretrain_sora_lora_tp2_matches_mm_grpo_lora():
         sora = pretrain_sora()
         with contextlib.redirect_stdout(io.StringIO()):
             wrapped = training.get_model(sora["model_provider"], wrap_with_ddp=False)[0]
-    peft = {f"{m[1]}.lora_{m[2]}.weight": p for n, p in wrapped.named_parameters()
-            if (m := re.match(r"^(?:.*?predictor\.)?(.+)\.lora_([AB])\.default\.weight$", n))}
+    peft = peft_adapters(wrapped)
     full = random_adapters(types.SimpleNamespace(flux_config=CONFIG), config)  # the same on every rank
     with torch.no_grad():
         for base in lora.base_rules(CONFIG, config.targets):

@@ -46,6 +46,12 @@ def _gemm(x, weight, bias):
     return F.linear(x, weight, bias)
 
 
+def _single_rank(layer, x):
+    """(output, bias to add later) of `layer` on one TP rank, as megatron-core's forward returns them."""
+    bias = None if layer.skip_bias_add else layer.bias
+    return _gemm(x, layer.weight, bias), (layer.bias if layer.skip_bias_add else None)
+
+
 def _with_adapter(layer, x, out):
     """`out` plus the layer's LoRA adapter's output on its input `x`, when it has one that is on
     (mm_grpo/models/flux/lora.py)."""
@@ -60,8 +66,7 @@ class ColumnLinear(ColumnParallelLinear):
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         if weight is None and _plain_gemm(self):
-            bias = None if self.skip_bias_add else self.bias
-            out, bias = _gemm(input_, self.weight, bias), (self.bias if self.skip_bias_add else None)
+            out, bias = _single_rank(self, input_)
         else:
             out, bias = super().forward(input_, weight, runtime_gather_output)
         return _with_adapter(self, input_, out), bias
@@ -72,8 +77,7 @@ class RowLinear(RowParallelLinear):
 
     def forward(self, input_):
         if _plain_gemm(self):
-            bias = None if self.skip_bias_add else self.bias
-            out, bias = _gemm(input_, self.weight, bias), (self.bias if self.skip_bias_add else None)
+            out, bias = _single_rank(self, input_)
         else:
             out, bias = super().forward(input_)
         return _with_adapter(self, input_, out), bias

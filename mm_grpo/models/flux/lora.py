@@ -270,8 +270,11 @@ class AdaptersOff(nn.Module):
         super().__init__()
         self.module = chunk
 
+    def adapters_off(self):
+        return adapters_disabled([self.module])
+
     def forward(self, *args, **kwargs):
-        with adapters_disabled([self.module]):
+        with self.adapters_off():
             return self.module(*args, **kwargs)
 
 
