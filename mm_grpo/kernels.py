@@ -43,8 +43,10 @@ def rms_norm_torch(x, weight, eps):
 
 
 def rope_table_torch(cos, sin):
-    """cos, sin [S, d] (FLUX's repeat-interleaved tables, fp32) -> complex rotations [S, 1, 1, d/2]."""
-    return torch.complex(cos[:, 0::2], sin[:, 0::2])[:, None, None, :]
+    """cos, sin [S, d] (FLUX's repeat-interleaved tables, fp32) -> the rotations [S, 1, 1, d/2, 2] as
+    (cos, sin) pairs: a complex tensor's real view (`torch.view_as_complex` of it is free), kept real so
+    that a compiled block takes no complex input."""
+    return torch.stack([cos[:, 0::2], sin[:, 0::2]], dim=-1)[:, None, None]
 
 
 def rope_torch(x, table):
@@ -53,8 +55,67 @@ def rope_torch(x, table):
     The pair (x_2j, x_2j+1) is the complex number x_2j + i x_2j+1 and the rotation one
     complex multiply: one pass over x, where the real form takes about ten."""
     x32 = x.to(torch.float32).contiguous()
-    rotated = torch.view_as_complex(x32.unflatten(-1, (-1, 2))) * table
+    rotated = torch.view_as_complex(x32.unflatten(-1, (-1, 2))) * torch.view_as_complex(table)
     return torch.view_as_real(rotated).flatten(-2).to(x.dtype)
+
+
+def _rotate(x, table, inverse=False):
+    """x [..., d] (real, contiguous) rotated pair by pair by `table` [..., d/2, 2] (cos, sin), in place."""
+    rotation = torch.view_as_complex(table)
+    torch.view_as_complex(x.unflatten(-1, (-1, 2))).mul_(rotation.conj() if inverse else rotation)
+    return x
+
+
+class _QKNormRope(torch.autograd.Function):
+    """qk_norm_rope_torch in eager: out = r * R(qk * w), with r = rsqrt(mean(qk^2) + eps) per row and R
+    the RoPE rotation. Written out, forward and backward, so that the fp32 chain is three passes (the
+    weighted upcast, the rotation in place, the scale written straight into qk's dtype) instead of
+    autograd's five, and only qk (a view of the projection's output) and r are kept for backward."""
+
+    @staticmethod
+    def forward(ctx, qk, weight, eps, table):
+        compute = torch.promote_types(qk.dtype, torch.float32)
+        mean_square = torch.linalg.vector_norm(qk, dim=-1, keepdim=True, dtype=compute).square() / qk.shape[-1]
+        scale = torch.rsqrt(mean_square + eps)
+        rotated = _rotate(qk * weight.to(compute), table)
+        out = torch.empty(qk.shape, dtype=qk.dtype, device=qk.device)
+        torch.mul(rotated, scale, out=out)
+        ctx.save_for_backward(qk, weight, scale, table)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        qk, weight, scale, table = ctx.saved_tensors
+        compute = scale.dtype
+        back = _rotate(grad.to(compute, memory_format=torch.contiguous_format, copy=True), table, inverse=True)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (back * qk * scale).sum(dim=tuple(range(qk.dim() - 2))).to(weight.dtype)
+        back = back * weight.to(compute)  # d out / d (qk / rms), per element
+        # RMSNorm's backward: r (g - n mean(g n)), with n = qk r.
+        dot = (back * qk).sum(-1, keepdim=True) * scale.square() / qk.shape[-1]
+        return ((back - qk * dot) * scale).to(qk.dtype), grad_weight, None, None
+
+
+def qk_norm_rope_torch(qk, weight, eps, table):
+    """q and k of each head, RMS-normalised over head_dim and rotated: qk [S, B, H, 2, d] (q, k), weight
+    [2, d] (q's and k's RMSNorm weights), table: `rope_table` of the S rows. Returns qk's dtype.
+
+    diffusers' semantics (statistics and rotation in fp32) in one fp32 chain over q and k together:
+    the statistics read the input as it is (no upcast copy), the weight is applied by the upcast, and
+    the result is rounded once, at the end. Per element of q and k, with a bf16 input: 22 bytes read
+    and written (diffusers' RMSNorm then RoPE: about 86)."""
+    table = table.unsqueeze(-3)  # the same rotation for q and k
+    if not torch.compiler.is_compiling():
+        return _QKNormRope.apply(qk, weight, eps, table)
+    # Inductor generates no code for complex ops (and fuses the chain by itself): the same function
+    # in real arithmetic, differentiated by autograd.
+    mean_square = torch.linalg.vector_norm(qk, dim=-1, keepdim=True, dtype=torch.float32).square() / qk.shape[-1]
+    x32 = qk * weight.float() * torch.rsqrt(mean_square + eps)
+    cos, sin = table.unbind(-1)
+    even, odd = x32.unflatten(-1, (-1, 2)).unbind(-1)
+    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
+    return rotated.flatten(-2).to(qk.dtype)
 
 
 _TWO_SQRT_2_OVER_PI = 2 * math.sqrt(2 / math.pi)
@@ -74,7 +135,7 @@ def gelu_tanh(x):
 
 TORCH_KERNELS = types.SimpleNamespace(
     name="torch", attention=attention_torch, rms_norm=rms_norm_torch, rope_table=rope_table_torch,
-    rope=rope_torch)
+    rope=rope_torch, qk_norm_rope=qk_norm_rope_torch, rope_rows=lambda table, rows: table[rows])
 
 
 # --- NPU fused kernels (torch_npu) ---------------------------------------------------
@@ -113,8 +174,14 @@ def _npu_kernels(torch_npu):
         out = [torch_npu.npu_rotary_mul(part, cos, sin, rotary_mode="interleave") for part in slices]
         return (out[0] if len(out) == 1 else torch.cat(out, dim=1)).to(x.dtype)
 
+    def qk_norm_rope(qk, weight, eps, table):
+        # npu_rms_norm normalises over all of its weight's dims: q and k go through one at a time.
+        return torch.stack([rope(rms_norm(qk[..., i, :], weight[i], eps), table).to(qk.dtype) for i in (0, 1)],
+                           dim=-2)
+
     return types.SimpleNamespace(name="npu", attention=attention, rms_norm=rms_norm, rope_table=rope_table,
-                                 rope=rope)
+                                 rope=rope, qk_norm_rope=qk_norm_rope,
+                                 rope_rows=lambda table, rows: tuple(t[rows] for t in table))
 
 
 _selected = None  # chosen on first use (see `current`)
@@ -160,3 +227,14 @@ def rope_table(cos, sin):
 def rope(x, table):
     """x [S, B, H, d] rotated by a `rope_table` of the same S."""
     return current().rope(x, table)
+
+
+def rope_rows(table, rows: slice):
+    """The `rope_table` of some of its rows (a stream's part of the joint sequence)."""
+    return current().rope_rows(table, rows)
+
+
+def qk_norm_rope(qk, weight, eps, table):
+    """qk [S, B, H, 2, d] (each head's q and k): RMSNorm with weight [2, d], then RoPE by a `rope_table`
+    of the same S; in qk's dtype."""
+    return current().qk_norm_rope(qk, weight, eps, table)

@@ -64,7 +64,8 @@ def test_activation_checkpointing_gives_identical_gradients(parallel_1proc):
 
 def test_compiled_blocks_match_eager_and_share_their_code(parallel_1proc):
     """torch.compile'd blocks (inductor) give the eager outputs and gradients to 1e-5, with and
-    without activation checkpointing, and one compiled graph serves every block of a kind. Where
+    without activation checkpointing, and one compiled graph serves every block of a kind. The blocks
+    are compiled in place: state_dict, train() and eval() see the eager model's module tree. Where
     MindSpeed's adaptor made torch.compile compile nothing (MindSpeed-MM's environment, as on Ascend),
     compile_blocks is refused in one line instead of running eager unannounced."""
     import torch._dynamo
@@ -78,12 +79,23 @@ def test_compiled_blocks_match_eager_and_share_their_code(parallel_1proc):
     torch._dynamo.utils.counters.clear()
     ref = random_reference(TINY, seed=6)
     inputs = make_inputs(TINY, batch=2, height=3, width=4, txt_len=5)
-    results = []
+    results, models = [], []
     for config in (TINY, TINY.replace(compile_blocks=True), TINY.replace(compile_blocks=True, recompute_blocks=True)):
         model = _model(config, ref)
         out = model(**inputs)
         out.square().sum().backward()
         results.append((out.detach(), {n: p.grad for n, p in model.named_parameters()}))
+        models.append(model)
+    # Compiled in place: the module tree, its state_dict and train() / eval() are the eager model's
+    # (a compiled wrapper kept as a child of its block made them recurse without end).
+    eager, compiled = models[0], models[1]
+    assert all(b._compiled_call_impl is not None for b in [*compiled.double_blocks, *compiled.single_blocks])
+    assert [n for n, _ in compiled.named_modules()] == [n for n, _ in eager.named_modules()]
+    state = compiled.state_dict()
+    assert state.keys() == eager.state_dict().keys()
+    assert all(torch.equal(state[k], v) for k, v in eager.state_dict().items() if torch.is_tensor(v))
+    assert not any(m.training for m in compiled.eval().modules())
+    assert all(m.training for m in compiled.train().modules())
     for out, grads in results[1:]:
         assert rel_err(out, results[0][0]) <= TOL
         for name, g in results[0][1].items():
@@ -93,7 +105,7 @@ def test_compiled_blocks_match_eager_and_share_their_code(parallel_1proc):
     assert 0 < torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4
 
 
-def test_bf16_autocast_stays_close_and_rope_stays_fp32(parallel_1proc):
+def test_bf16_stays_close_and_rope_stays_fp32(parallel_1proc):
     ref = random_reference(TINY, seed=4)
     inputs = make_inputs(TINY)
     fp32 = _model(TINY, ref)
@@ -106,41 +118,51 @@ def test_bf16_autocast_stays_close_and_rope_stays_fp32(parallel_1proc):
     assert cos.dtype == torch.float32
 
 
-def test_single_rank_linears_under_autocast_give_megatrons_output(parallel_1proc):
-    """On one TP rank the linears compute their GEMM themselves (`layers._gemm`); under bf16 autocast
-    the result is megatron-core's own path's, bit for bit: the product in bf16, the fp32 bias added
-    after it, an fp32 output (the residual stream's dtype)."""
+def test_linears_compute_in_the_activations_dtype(parallel_1proc):
+    """On one TP rank the linears compute x W^T + b themselves (`layers.linear`), in the dtype of x:
+    an fp32 weight and bias are cast for a bf16 call, the bias goes into the GEMM, and the output is
+    bf16 (the compute dtype). fp32 calls give megatron-core's own output; megatron-core's
+    tensor-parallel path (`layers._megatron`) runs under autocast to the activations' dtype and comes
+    back in it. `forward_parts` equals the GEMM over the concatenation."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from mm_grpo.models.flux.layers import column_linear, row_linear
+    from mm_grpo.models.flux import layers
     from mm_grpo.models.flux.model import transformer_config
     tconfig = transformer_config(TINY)
-    column, row = column_linear(16, 24, tconfig), row_linear(24, 16, tconfig)
+    column, row = layers.column_linear(16, 24, tconfig), layers.row_linear(24, 16, tconfig)
     for layer in (column, row):
         torch.nn.init.normal_(layer.bias)
     x, parts = torch.randn(5, 2, 16), [torch.randn(5, 2, 8), torch.randn(5, 2, 16)]
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        ours = [column(x)[0], row(parts[1].repeat(1, 1, 2)[..., :24])[0], row.forward_parts(parts)]
-        megatron = [ColumnParallelLinear.forward(column, x)[0],
-                    RowParallelLinear.forward(row, parts[1].repeat(1, 1, 2)[..., :24])[0],
-                    RowParallelLinear.forward(row, torch.cat(parts, -1))[0]]
-    for out, expected in zip(ours, megatron):
-        assert out.dtype == expected.dtype == torch.float32
-        assert torch.equal(out, expected)
+    whole = torch.cat(parts, -1)
+    with torch.no_grad():
+        for layer, inp, megatron in ((column, x, ColumnParallelLinear.forward),
+                                     (row, whole, RowParallelLinear.forward)):
+            assert rel_err(layer(inp)[0], megatron(layer, inp)[0]) <= 1e-6
+            out = layer(inp.bfloat16())[0]
+            assert out.dtype == torch.bfloat16
+            assert torch.equal(out, torch.nn.functional.linear(inp.bfloat16(), layer.weight.bfloat16(),
+                                                               layer.bias.bfloat16()))
+            tp_path = layers._megatron(lambda t: megatron(layer, t), layer, inp.bfloat16())[0]
+            assert tp_path.dtype == torch.bfloat16
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                assert torch.equal(tp_path, megatron(layer, inp.bfloat16())[0].bfloat16())
+        assert rel_err(row.forward_parts(parts), row(whole)[0]) <= 1e-6
+        bf16_parts = row.forward_parts([p.bfloat16() for p in parts])
+        assert bf16_parts.dtype == torch.bfloat16
+        assert 0 < rel_err(bf16_parts, row(whole)[0]) <= 1e-2
 
 
 @pytest.mark.parametrize("kind", ["double_blocks", "single_blocks"])
-def test_a_block_under_bf16_autocast_traces_to_one_graph(parallel_1proc, kind):
-    """torch.compile sees a whole block as one graph under bf16 autocast, as without it: megatron-
-    core's own linear path (which warns, a graph break, on every GEMM in 0.16) is not taken on one
-    TP rank. On CUDA it was, and each linear recompiled until dynamo's limit (docs/performance.md)."""
+def test_a_bf16_block_traces_to_one_graph(parallel_1proc, kind):
+    """torch.compile sees a whole block as one graph in bf16, as in fp32: megatron-core's own linear
+    path (which warns, a graph break, on every GEMM in 0.16) is not taken on one TP rank. On CUDA it
+    was, and each linear recompiled until dynamo's limit (docs/performance.md)."""
     import torch._dynamo
     from mm_grpo import kernels
-    model = FluxTransformer(TINY)
+    model = FluxTransformer(TINY.replace(bf16=True))
     block = getattr(model, kind)[0]
     rope = kernels.rope_table(*model.rope(torch.zeros(4, 3), torch.zeros(12, 3)))
-    x, vec = torch.randn(16, 2, TINY.hidden_size), torch.randn(2, TINY.hidden_size)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        explained = torch._dynamo.explain(block)(x, 4, vec, rope, None)
+    x, vec = torch.randn(16, 2, TINY.hidden_size).bfloat16(), torch.randn(2, TINY.hidden_size).bfloat16()
+    explained = torch._dynamo.explain(block)(x, 4, vec, rope, None)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 

@@ -85,8 +85,8 @@ def test_adapter_only_checkpoint_resumes_exactly(parallel_1proc, configs, tmp_pa
 
 
 def test_bf16_lora_run_stays_on_policy_finite_and_resumes_exactly(parallel_1proc, configs, tmp_path):
-    """The full-size GPU job's setting on the tiny model (on CPU, one TP rank): bf16 autocast, the
-    frozen base's matrices in bf16, recompute. The training recomputation of the first micro-batch
+    """The full-size GPU job's setting on the tiny model (on CPU, one TP rank): bf16 compute, the
+    frozen base's matrices and biases in bf16, recompute. The training recomputation of the first micro-batch
     gives the rollout's log-probs exactly (ratio 1), 20 iterations stay finite, and a run saved at 2
     and resumed repeats the uninterrupted one bit for bit."""
     extra = LORA + ["--bf16", "--recompute-activations"]
@@ -94,7 +94,7 @@ def test_bf16_lora_run_stays_on_policy_finite_and_resumes_exactly(parallel_1proc
     assert all(h["ratio_first_mb_min"] == h["ratio_first_mb_max"] == 1.0 for h in full)
     assert all(math.isfinite(v) for h in full for v in h.values() if isinstance(v, float))
     base = {n: p for n, p in _params(run_full).items() if n not in _adapter_names(run_full)}
-    assert {p.dtype for p in base.values() if p.dim() >= 2} == {torch.bfloat16}
+    assert {p.dtype for n, p in base.items() if p.dim() >= 2 or n.endswith(".bias")} == {torch.bfloat16}
     ckpt = str(tmp_path / "ckpt")
     first, _ = run_grpo(grpo_argv(*configs, iters=2, extra=extra + ["--save", ckpt]))
     second, run_resumed = run_grpo(grpo_argv(*configs, iters=4, extra=extra + ["--load", ckpt]))

@@ -30,7 +30,7 @@ _SORA = ("text_len", "guidance_scale")
 # MindSpeed-MM's name -> diffusers' (see the module docstring).
 MINDSPEED_MM_NAMES = {"num_heads": "num_attention_heads", "head_dim": "attention_head_dim"}
 KNOWN_KEYS = (*DIFFUSERS_FIELDS, *MINDSPEED_MM_NAMES, *_RUNTIME, *_STAGE, *_BLOCK, *_SORA)
-_DTYPES = {"fp32": False, "float32": False, "bf16": True, "bfloat16": True}  # -> bf16 autocast
+_DTYPES = {"fp32": False, "float32": False, "bf16": True, "bfloat16": True}  # -> bf16 compute
 
 
 def _flat(layers):
@@ -60,7 +60,7 @@ def _double_blocks(block: dict, staged: bool) -> int:
 def _bf16(dtype) -> bool:
     name = str(dtype).removeprefix("torch.")
     if name not in _DTYPES:
-        raise ValueError(f"predictor dtype {dtype!r}: FLUX runs in fp32 or under bf16 autocast "
+        raise ValueError(f"predictor dtype {dtype!r}: FLUX computes in fp32 or bf16 "
                          f"(use one of {', '.join(_DTYPES)})")
     return _DTYPES[name]
 

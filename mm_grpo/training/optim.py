@@ -30,7 +30,7 @@ def unwrap(chunks):
 
 
 def build_optimizer(ddp_chunks, args):
-    """AdamW with fp32 master weights (the model computes in bf16 under autocast with --bf16): the
+    """AdamW with fp32 master weights (with --bf16 the model computes in bf16, casting them for each call): the
     OptimizerConfig fields named like the arguments (--lr, --adam-beta1, --clip-grad...) come
     from them, as in Megatron-LM."""
     return get_megatron_optimizer(from_args(OptimizerConfig, args, optimizer="adam", bf16=False, fp16=False),

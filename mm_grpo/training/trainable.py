@@ -128,7 +128,7 @@ def optimize(chunks, args):
 def attach_lora(chunks, config: lora.LoRAConfig, seed: int, bf16: bool, ranks: Optional[dict] = None,
                 loaded: Optional[dict] = None):
     """Adapters on each chunk's frozen base (`loaded`: diffusers adapters copied in), the base held
-    in bf16 under `bf16` as autocast would cast it anyway (docs/lora.md): the trainer's LoRA, and
+    in bf16 under `bf16`, the dtype the model computes in (docs/lora.md): the trainer's LoRA, and
     the benches'."""
     for chunk in chunks:
         lora.add_adapters(chunk, config, seed, ranks)

@@ -173,7 +173,8 @@ def sp2_uneven_and_pp2_vpp2_match_single_process():
 
 @check(2)
 def bf16_forward_pp2_sp2_match_single_process_bf16():
-    """bf16 autocast: a stage boundary changes nothing (fp32 stage tensor); SP only rounds."""
+    """bf16: a stage boundary changes nothing (the stage tensor carries the bf16 residual stream and
+    silu(temb) as they are); SP only rounds."""
     ref, config = random_reference(CONFIG, seed=3), CONFIG.replace(bf16=True)
     micro_batches = _micro_batches(3, 5, 7)
     initialize_parallel(ParallelConfig())

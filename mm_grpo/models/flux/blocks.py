@@ -10,8 +10,8 @@ from torch import nn
 
 from mm_grpo import kernels
 from mm_grpo.models.flux.layers import (
-    MLP, QKV, CoreAttention, HeadRMSNorm, Modulation, apply_rope, column_linear, gated_residual,
-    layer_norm, modulate, row_linear, row_linear_parts, split_heads, tp_world_size)
+    MLP, QKV, CoreAttention, HeadRMSNorm, Modulation, column_linear, gated_residual, layer_norm, modulate,
+    qk_norm_rope, row_linear, row_linear_parts, split_heads, tp_world_size)
 
 
 def _clip_fp16(x):
@@ -52,11 +52,12 @@ class DoubleStreamBlock(nn.Module):
         img_shift, img_scale, img_gate, img_shift2, img_scale2, img_gate2 = self.img_mod(vec)
         txt_shift, txt_scale, txt_gate, txt_shift2, txt_scale2, txt_gate2 = self.txt_mod(vec)
 
-        q_i, k_i, v_i = self.img_attn(modulate(layer_norm(img, self.eps), img_shift, img_scale))
-        q_t, k_t, v_t = self.txt_attn(modulate(layer_norm(txt, self.eps), txt_shift, txt_scale))
-        q = apply_rope(torch.cat([q_t, q_i]), rope)
-        k = apply_rope(torch.cat([k_t, k_i]), rope)
-        o = self.core_attention(q, k, torch.cat([v_t, v_i]), key_mask)
+        qk_i, v_i = self.img_attn(modulate(layer_norm(img, self.eps), img_shift, img_scale),
+                                  kernels.rope_rows(rope, slice(n_txt, None)))
+        qk_t, v_t = self.txt_attn(modulate(layer_norm(txt, self.eps), txt_shift, txt_scale),
+                                  kernels.rope_rows(rope, slice(None, n_txt)))
+        qk, v = torch.cat([qk_t, qk_i]), torch.cat([v_t, v_i])
+        o = self.core_attention(qk[..., 0, :], qk[..., 1, :], v, key_mask)
 
         img = gated_residual(img, img_gate, self.img_attn.project(o[n_txt:]))
         img = gated_residual(img, img_gate2, self.img_mlp(modulate(layer_norm(img, self.eps), img_shift2, img_scale2)))
@@ -87,9 +88,8 @@ class SingleStreamBlock(nn.Module):
         shift, scale, gate = self.modulation(vec)
         fused, _ = self.linear_in(modulate(layer_norm(x, self.eps), shift, scale))
         qkv, mlp = fused.split(self.split_sizes, dim=-1)
-        q, k, v = split_heads(qkv, self.head_dim)
-        q = apply_rope(self.q_norm(q), rope)
-        k = apply_rope(self.k_norm(k), rope)
-        o = self.core_attention(q, k, v, key_mask)
+        qk, v = split_heads(qkv, self.head_dim)
+        qk = qk_norm_rope(qk, self.q_norm, self.k_norm, rope)
+        o = self.core_attention(qk[..., 0, :], qk[..., 1, :], v, key_mask)
         out = row_linear_parts(self.linear_out, [o, kernels.gelu_tanh(mlp)])
         return _clip_fp16(gated_residual(x, gate, out))

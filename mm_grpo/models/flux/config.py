@@ -35,7 +35,7 @@ class FluxConfig:
     norm_eps: float = 1e-6
     # Runtime options (not part of the checkpoint).
     recompute_blocks: bool = False  # activation checkpointing, one block at a time
-    bf16: bool = False  # bf16 autocast around the blocks (RoPE and norms stay fp32)
+    bf16: bool = False  # compute in bf16 (model.compute_dtype; norm statistics and RoPE stay fp32)
     compile_blocks: bool = False  # torch.compile each block: fuses its element-wise chains
 
     def __post_init__(self):

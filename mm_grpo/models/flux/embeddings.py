@@ -3,6 +3,8 @@ import torch
 from diffusers.models.embeddings import get_1d_rotary_pos_embed, get_timestep_embedding
 from torch import nn
 
+from mm_grpo.models.flux.layers import linear
+
 TIME_CHANNELS = 256  # sinusoid width for timestep and guidance
 
 
@@ -15,7 +17,12 @@ class MLPEmbedder(nn.Module):
         self.linear_2 = nn.Linear(dim, dim)
 
     def forward(self, x):
-        return self.linear_2(nn.functional.silu(self.linear_1(x)))
+        return dense(self.linear_2, nn.functional.silu(dense(self.linear_1, x)))
+
+
+def dense(layer: nn.Linear, x):
+    """A replicated nn.Linear in x's dtype (`layers.linear`)."""
+    return linear(x, layer.weight, layer.bias)
 
 
 class TimeTextEmbedding(nn.Module):
@@ -32,19 +39,20 @@ class TimeTextEmbedding(nn.Module):
 
     @staticmethod
     def sinusoid(t, dtype):
-        # diffusers' Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0): cos first.
-        emb = get_timestep_embedding(t, TIME_CHANNELS, flip_sin_to_cos=True, downscale_freq_shift=0)
+        # diffusers' Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0): cos first. Made
+        # from t * 1000 in fp32: diffusers scales the bf16 t of a bf16 model, whose rounding moves the
+        # timestep by up to 2 of 1000 and the sinusoid's fast channels by whole periods.
+        emb = get_timestep_embedding(t.float() * 1000, TIME_CHANNELS, flip_sin_to_cos=True, downscale_freq_shift=0)
         return emb.to(dtype)
 
-    def forward(self, timestep, guidance, pooled):
-        # diffusers casts to the activation dtype, then scales by 1000.
-        dtype = pooled.dtype
-        temb = self.timestep_embedder(self.sinusoid(timestep.to(dtype) * 1000, dtype))
+    def forward(self, timestep, guidance, pooled, dtype):
+        """temb [B, D] in `dtype` (the model's compute dtype)."""
+        temb = self.timestep_embedder(self.sinusoid(timestep, dtype))
         if self.guidance_embedder is not None:
             if guidance is None:
                 raise ValueError("this FLUX model has a guidance embedding: pass `guidance`")
-            temb = temb + self.guidance_embedder(self.sinusoid(guidance.to(dtype) * 1000, dtype))
-        return temb + self.text_embedder(pooled)
+            temb = temb + self.guidance_embedder(self.sinusoid(guidance, dtype))
+        return temb + self.text_embedder(pooled.to(dtype))
 
 
 def rope_tables(ids: torch.Tensor, axes_dims, theta: int):

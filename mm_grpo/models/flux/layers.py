@@ -30,26 +30,33 @@ def _init_normal(weight):
 
 
 def _plain_gemm(layer) -> bool:
-    """megatron-core's linear is then a plain matmul + bias (one TP rank): `_gemm` computes it.
+    """megatron-core's linear is then a plain matmul + bias (one TP rank): `linear` computes it.
     Its own path would also break a compiled block's graph (megatron-core 0.16's RowParallelLinear
     names no TP group to its GEMM, which warns)."""
     return tp_world_size() == 1 and not layer.config.sequence_parallel
 
 
-def _gemm(x, weight, bias):
-    """x W^T + b as megatron-core's single-rank linear computes it. Under autocast the product is
-    bf16 and the fp32 bias is added after it, so the output (and the residual stream, model.py)
-    stays fp32; without autocast the bias goes into the GEMM (addmm: one pass less over the output,
-    a quarter of the GEMM's time at D = 256 on CPU, docs/performance.md)."""
-    if bias is not None and torch.is_autocast_enabled(x.device.type):
-        return F.linear(x, weight) + bias
-    return F.linear(x, weight, bias)
+def linear(x, weight, bias=None):
+    """x W^T + b in the activations' dtype (the model's compute dtype, model.py): the bias goes into
+    the GEMM (one pass over the output, no fp32 output to cast back), and a weight held in another
+    dtype (a trainable fp32 weight under --bf16) is cast for the call. A frozen base held in bf16
+    (`lora.freeze_base_in_bf16`) is used as it is: nothing is cast."""
+    dtype = x.dtype
+    return F.linear(x, weight.to(dtype), None if bias is None else bias.to(dtype))
 
 
 def _single_rank(layer, x):
     """(output, bias to add later) of `layer` on one TP rank, as megatron-core's forward returns them."""
     bias = None if layer.skip_bias_add else layer.bias
-    return _gemm(x, layer.weight, bias), (layer.bias if layer.skip_bias_add else None)
+    return linear(x, layer.weight, bias), (layer.bias if layer.skip_bias_add else None)
+
+
+def _megatron(forward, layer, x):
+    """megatron-core's own (tensor-parallel) forward of `layer` on x; its GEMM takes one dtype, so a
+    weight held in another one goes through autocast to x's dtype, and the output comes back in it."""
+    with torch.autocast(x.device.type, dtype=x.dtype, enabled=x.dtype != layer.weight.dtype):
+        out, bias = forward(x)
+    return out.to(x.dtype), bias
 
 
 def _with_adapter(layer, x, out):
@@ -58,40 +65,42 @@ def _with_adapter(layer, x, out):
     adapter = layer.__dict__.get("adapter")
     if adapter is None or not adapter.enabled:
         return out
-    return out + adapter(layer, x)
+    return adapter.add_to(layer, x, out)
 
 
 class ColumnLinear(ColumnParallelLinear):
-    """megatron-core's ColumnParallelLinear; on one TP rank its GEMM is `_gemm`."""
+    """megatron-core's ColumnParallelLinear; on one TP rank its GEMM is `linear`."""
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         if weight is None and _plain_gemm(self):
             out, bias = _single_rank(self, input_)
         else:
-            out, bias = super().forward(input_, weight, runtime_gather_output)
+            out, bias = _megatron(lambda x: super(ColumnLinear, self).forward(x, weight, runtime_gather_output),
+                                  self, input_)
         return _with_adapter(self, input_, out), bias
 
 
 class RowLinear(RowParallelLinear):
-    """megatron-core's RowParallelLinear; on one TP rank its GEMM is `_gemm`."""
+    """megatron-core's RowParallelLinear; on one TP rank its GEMM is `linear`."""
 
     def forward(self, input_):
         if _plain_gemm(self):
             out, bias = _single_rank(self, input_)
         else:
-            out, bias = super().forward(input_)
+            out, bias = _megatron(super().forward, self, input_)
         return _with_adapter(self, input_, out), bias
 
     def forward_parts(self, parts):
-        """`self(torch.cat(parts, -1))` without materialising the concatenation: one GEMM per
-        part accumulated into the output (addmm) where `_plain_gemm` allows and there is no
-        autocast (it would round each part's product to bf16: one GEMM over the concatenation
-        rounds once, as megatron-core's)."""
-        if not _plain_gemm(self) or self.skip_bias_add or torch.is_autocast_enabled(parts[0].device.type):
+        """`self(torch.cat(parts, -1))` without materialising the concatenation: one GEMM per part
+        accumulated into the output (addmm) where `_plain_gemm` allows. The concatenation would read
+        and write all its parts once more (5 D wide in a single block); accumulating reads and writes
+        the D-wide output once per extra part."""
+        if not _plain_gemm(self) or self.skip_bias_add:
             return self(torch.cat(parts, dim=-1))[0]
-        weights = self.weight.split([p.shape[-1] for p in parts], dim=1)
+        dtype = parts[0].dtype
+        weights = self.weight.to(dtype).split([p.shape[-1] for p in parts], dim=1)
         lead = parts[0].shape[:-1]
-        out = self.bias
+        out = self.bias.to(dtype)
         for part, w in zip(parts, weights):
             out = torch.addmm(out, part.reshape(-1, part.shape[-1]), w.t())
         return _with_adapter(self, parts, out.view(*lead, -1))
@@ -160,9 +169,17 @@ class HeadRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(head_dim))
         self.tp_group_kwargs = _tp_group_kwargs()
 
+    def tp_weight(self):
+        return copy_to_tensor_model_parallel_region(self.weight, **self.tp_group_kwargs)
+
     def forward(self, x):
-        weight = copy_to_tensor_model_parallel_region(self.weight, **self.tp_group_kwargs)
-        return kernels.rms_norm(x, weight, self.eps)
+        return kernels.rms_norm(x, self.tp_weight(), self.eps)
+
+
+def qk_norm_rope(qk, q_norm: HeadRMSNorm, k_norm: HeadRMSNorm, rope):
+    """qk [S, B, H, 2, d] (each head's q and k) normalised by q_norm / k_norm and rotated by `rope`."""
+    weight = torch.stack([q_norm.tp_weight(), k_norm.tp_weight()])
+    return kernels.qk_norm_rope(qk, weight, q_norm.eps, rope)
 
 
 class CoreAttention(nn.Module):
@@ -188,18 +205,15 @@ class CoreAttention(nn.Module):
         return out.flatten(2)
 
 
-def apply_rope(x, rope):
-    """x [S, B, H, d]; rope: the forward's `kernels.rope_table`."""
-    return kernels.rope(x, rope)
-
-
 def split_heads(qkv, head_dim):
-    """Megatron's per-head fused layout [q_h, k_h, v_h]: [S, B, H*3*d] -> 3 x [S, B, H, d]."""
-    return qkv.unflatten(-1, (-1, 3 * head_dim)).split(head_dim, dim=-1)
+    """Megatron's per-head fused layout [q_h, k_h, v_h]: [S, B, H*3*d] -> (qk [S, B, H, 2, d], v [S, B, H, d]),
+    both views: each head's q and k stay side by side for `qk_norm_rope`."""
+    heads = qkv.unflatten(-1, (-1, 3, head_dim))
+    return heads[..., :2, :], heads[..., 2, :]
 
 
 class QKV(nn.Module):
-    """Fused, per-head q/k/v projection with QK RMSNorm, so a TP shard holds whole heads."""
+    """Fused, per-head q/k/v projection with QK RMSNorm and RoPE, so a TP shard holds whole heads."""
 
     def __init__(self, config, tconfig):
         super().__init__()
@@ -209,10 +223,12 @@ class QKV(nn.Module):
         self.q_norm = HeadRMSNorm(d, config.norm_eps)
         self.k_norm = HeadRMSNorm(d, config.norm_eps)
 
-    def forward(self, x):
+    def forward(self, x, rope):
+        """(qk [S, B, H, 2, d] normalised and rotated, v [S, B, H, d]) of the stream x; rope: its rows'
+        `kernels.rope_table`."""
         qkv, _ = self.linear_qkv(x)
-        q, k, v = split_heads(qkv, self.head_dim)
-        return self.q_norm(q), self.k_norm(k), v
+        qk, v = split_heads(qkv, self.head_dim)
+        return qk_norm_rope(qk, self.q_norm, self.k_norm, rope), v
 
 
 class MLP(nn.Module):

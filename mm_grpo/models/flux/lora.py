@@ -139,20 +139,25 @@ class Adapter:
         self.scaling, self.dropout = config.scaling, config.dropout
         self.enabled = True
 
-    def __call__(self, layer, x):
-        """The adapter's output for the layer's input `x` (or the list of parts `RowLinear.forward_parts`
-        concatenates)."""
+    def add_to(self, layer, x, out):
+        """`out` (the layer's output, in the compute dtype) plus the adapter's output for the layer's
+        input `x` (or the list of parts `RowLinear.forward_parts` concatenates). The scaled product
+        B (A x) is accumulated into `out` by one GEMM (addmm): no adapter-sized output of its own,
+        scaled and added in two more passes. A and B are trainable (fp32 under --bf16): r x D each,
+        cast for the call."""
         parts = x if isinstance(x, (list, tuple)) else [x]
         if self.dropout and torch.is_grad_enabled():
             parts = [F.dropout(p, self.dropout, training=True) for p in parts]
-        a = layer.lora_A.weight.split([p.shape[-1] for p in parts], dim=1)
+        dtype = out.dtype
+        a = layer.lora_A.weight.to(dtype).split([p.shape[-1] for p in parts], dim=1)
         h = sum(F.linear(p, w) for p, w in zip(parts, a))
         h = _tp(mappings.copy_to_tensor_model_parallel_region if self.column
                 else mappings.reduce_from_tensor_model_parallel_region, h)
-        y = F.linear(h, layer.lora_B.weight) * self.scaling
+        b = layer.lora_B.weight.to(dtype)
         if self.gather_output:
-            y = _tp(mappings.gather_from_tensor_model_parallel_region, y)
-        return y
+            return out + _tp(mappings.gather_from_tensor_model_parallel_region, F.linear(h, b) * self.scaling)
+        flat = torch.addmm(out.reshape(-1, out.shape[-1]), h.reshape(-1, h.shape[-1]), b.t(), alpha=self.scaling)
+        return flat.view(out.shape)
 
 
 def adapters(model) -> Iterator[Adapter]:
@@ -217,11 +222,11 @@ def copy_full_adapters(chunk, full: Dict[str, Tuple[torch.Tensor, torch.Tensor]]
 
 
 def freeze_base_in_bf16(chunk):
-    """The frozen base's matrices in bf16 (half the memory): under bf16 autocast the linears cast
-    them to bf16 anyway, so outputs do not change; biases and norms stay fp32 (the residual
-    stream's dtype follows the biases, model.py)."""
+    """The frozen base in bf16, the dtype the model computes in under --bf16 (model.py): its matrices
+    (half the memory) and biases are then used as they are, with no cast per forward. The QK-norm
+    weights (head_dim each) stay fp32: they scale q and k inside an fp32 chain (kernels.qk_norm_rope)."""
     for name, p in chunk.named_parameters():
-        if not p.requires_grad and p.dim() >= 2 and not any(k in name for k in ADAPTER_KEYS):
+        if not p.requires_grad and (p.dim() >= 2 or name.endswith(".bias")) and not any(k in name for k in ADAPTER_KEYS):
             p.data = p.data.to(torch.bfloat16)
 
 

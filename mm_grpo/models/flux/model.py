@@ -10,7 +10,6 @@ last stage gathers the output over the SP group; a pipeline stage that is not th
 reads the previous stage's tensor (`set_input_tensor`) and uses the inputs only for the
 token ids, and one that is not the last returns the packed stage tensor.
 """
-import contextlib
 import dataclasses
 
 import torch
@@ -25,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from mm_grpo import kernels
 from mm_grpo.models.flux.blocks import DoubleStreamBlock, SingleStreamBlock
 from mm_grpo.models.flux.config import FluxConfig
-from mm_grpo.models.flux.embeddings import TimeTextEmbedding, rope_tables
+from mm_grpo.models.flux.embeddings import TimeTextEmbedding, dense, rope_tables
 from mm_grpo.models.flux.layers import Modulation, layer_norm, modulate
 from mm_grpo.parallel.ulysses import ULYSSES_CP_ALGO, SequenceShard
 from mm_grpo.platform.adaptor import torch_compile_replaced
@@ -53,9 +52,8 @@ def transformer_config(config: FluxConfig, params_dtype=torch.float32, **overrid
         ffn_hidden_size=config.mlp_hidden_size,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
         virtual_pipeline_model_parallel_size=vpp,
-        # Under bf16 autocast the residual stream stays in the parameter dtype (LayerNorm
-        # runs in fp32), so the stage tensor does too: a stage boundary changes nothing.
-        params_dtype=params_dtype, pipeline_dtype=params_dtype,
+        # The stage tensor is the residual stream and silu(temb), both in the compute dtype.
+        params_dtype=params_dtype, pipeline_dtype=compute_dtype(config, params_dtype),
         bf16=config.bf16, use_cpu_initialization=get_platform().name == "cpu",
         gradient_accumulation_fusion=False, sequence_parallel=False,
         # With 2 stages the previous and the next stage are the same rank: batched p2p would
@@ -73,6 +71,14 @@ def transformer_config(config: FluxConfig, params_dtype=torch.float32, **overrid
         kwargs.update(context_parallel_algo=ULYSSES_CP_ALGO, seq_length=cp)
     kwargs.update(overrides)
     return TransformerConfig(**{**_field_defaults(), **kwargs})
+
+
+def compute_dtype(config: FluxConfig, weight_dtype: torch.dtype = torch.float32) -> torch.dtype:
+    """The dtype the model computes in (activations, GEMMs, the element-wise chains): bf16 under
+    `bf16`, else the dtype its weights are held in (fp32, or bf16 where Megatron's Float16Module
+    converted them under MindSpeed-MM's --bf16). Norm statistics, RoPE and the timestep sinusoid
+    run in fp32 inside their ops."""
+    return torch.bfloat16 if config.bf16 else weight_dtype
 
 
 def _field_defaults() -> dict:
@@ -99,7 +105,7 @@ class FinalLayer(nn.Module):
 
     def forward(self, img, vec):
         scale, shift = self.modulation(vec)
-        return self.linear(modulate(layer_norm(img, self.eps), shift, scale))
+        return dense(self.linear, modulate(layer_norm(img, self.eps), shift, scale))
 
 
 class FluxTransformer(MegatronModule):
@@ -142,7 +148,9 @@ class FluxTransformer(MegatronModule):
         if post_process:
             self.final_layer = FinalLayer(config, tconfig)
         self.input_tensor = None
-        self._rope_cache = None  # (ids, (cos, sin)) of the last forward
+        self._rope_cache = None  # ((txt_ids, img_ids, their versions), (cos, sin)) of the last forward
+        if config.compile_blocks:
+            self.compile_blocks()
 
     # Megatron pipeline contract: the schedule hands the previous stage's output here.
     def set_input_tensor(self, input_tensor):
@@ -150,76 +158,73 @@ class FluxTransformer(MegatronModule):
             input_tensor = input_tensor[0]
         self.input_tensor = input_tensor
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        weight = next(self.parameters(), None)
+        return compute_dtype(self.flux_config, torch.float32 if weight is None else weight.dtype)
+
     def conditioning(self, timestep, guidance, pooled_projections):
         """silu(temb): every adaLN linear of FLUX applies SiLU first, so do it once."""
-        return F.silu(self.time_text_embed(timestep, guidance, pooled_projections))
+        return F.silu(self.time_text_embed(timestep, guidance, pooled_projections, self.compute_dtype))
 
     def rope(self, txt_ids, img_ids):
-        """(cos, sin) [S, head_dim] fp32 of the joint sequence; the last ones are reused while
-        the ids stay the same (they do for a whole rollout and training run)."""
-        txt_ids = txt_ids[0] if txt_ids.ndim == 3 else txt_ids  # diffusers' deprecated 3-D ids
-        img_ids = img_ids[0] if img_ids.ndim == 3 else img_ids
-        ids = torch.cat([txt_ids, img_ids])
+        """(cos, sin) [S, head_dim] fp32 of the joint sequence; the last ones are reused while the
+        forward gets the same id tensors (the rollout's and the training's micro-batches share them),
+        checked on the host: comparing values would read the device at every call."""
+        key = (txt_ids, img_ids, txt_ids._version, img_ids._version)
         cached = self._rope_cache
-        if cached is None or cached[0].shape != ids.shape or cached[0].device != ids.device \
-                or not torch.equal(cached[0], ids):
-            tables = rope_tables(ids, self.flux_config.axes_dims_rope, self.flux_config.rope_theta)
-            self._rope_cache = cached = (ids, tables)
+        if cached is None or cached[0][0] is not txt_ids or cached[0][1] is not img_ids or cached[0][2:] != key[2:]:
+            txt = txt_ids[0] if txt_ids.ndim == 3 else txt_ids  # diffusers' deprecated 3-D ids
+            img = img_ids[0] if img_ids.ndim == 3 else img_ids
+            tables = rope_tables(torch.cat([txt, img]), self.flux_config.axes_dims_rope, self.flux_config.rope_theta)
+            self._rope_cache = cached = (key, tables)
         return cached[1]
 
     def embed(self, hidden_states, encoder_hidden_states):
         """Inputs in diffusers' [B, S, C] -> the joint sequence [text ; image] as [S, B, D]."""
-        txt = self.context_embedder(encoder_hidden_states)
-        img = self.x_embedder(hidden_states)
+        dtype = self.compute_dtype
+        txt = dense(self.context_embedder, encoder_hidden_states.to(dtype))
+        img = dense(self.x_embedder, hidden_states.to(dtype))
         return torch.cat([txt, img], dim=1).transpose(0, 1).contiguous()
 
     def run_blocks(self, x, n_txt, vec, rope, key_mask=None):
         for block in [*self.double_blocks, *self.single_blocks]:
-            forward = self._compiled(block) if self.flux_config.compile_blocks else block
             if self.flux_config.recompute_blocks and torch.is_grad_enabled():
-                x = checkpoint(forward, x, n_txt, vec, rope, key_mask, use_reentrant=False)
+                x = checkpoint(block, x, n_txt, vec, rope, key_mask, use_reentrant=False)
             else:
-                x = forward(x, n_txt, vec, rope, key_mask)
+                x = block(x, n_txt, vec, rope, key_mask)
         return x
 
-    @staticmethod
-    def _compiled(block):
-        """The block under torch.compile (inductor), made on first use. Between its GEMMs a
-        block is a chain of memory-bound element-wise ops (LayerNorm + modulation, QK norm,
-        RoPE, GELU, gated residuals) that inductor fuses: ~7% on a whole GRPO iteration at D = 256
-        on CPU (docs/performance.md; GELU takes its sigmoid form then, kernels.gelu_tanh). The
-        weights are graph inputs (dynamo inlines nn.Modules), so blocks of one kind share their
-        compiled code."""
-        if not hasattr(block, "_compiled_forward"):
-            block._compiled_forward = torch.compile(block)
-        return block._compiled_forward
+    def compile_blocks(self):
+        """Every block's call under torch.compile (inductor). Between its GEMMs a block is a chain of
+        memory-bound element-wise ops (LayerNorm + modulation, QK norm, RoPE, GELU, gated residuals)
+        that inductor fuses: ~7% on a whole GRPO iteration at D = 256 on CPU (docs/performance.md;
+        GELU takes its sigmoid form then, kernels.gelu_tanh). `nn.Module.compile` compiles the block
+        in place: no wrapper module joins the tree, so state_dict, train() / eval() and the parameter
+        names are the eager model's. The weights are graph inputs (dynamo inlines nn.Modules), so
+        blocks of one kind share their compiled code."""
+        for block in [*self.double_blocks, *self.single_blocks]:
+            block.compile()
 
     def head(self, x, n_txt, vec):
         """Final norm and projection of the image tokens: [S, B, D] -> [S_img, B, C]."""
         return self.final_layer(x[n_txt:], vec)
 
-    def _autocast(self):
-        if not self.flux_config.bf16:
-            return contextlib.nullcontext()
-        from mm_grpo import get_platform
-        return torch.autocast(get_platform().device.type, dtype=torch.bfloat16)
-
     def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep,
                 img_ids, txt_ids, guidance=None):
         seq = SequenceShard.current(n_txt=txt_ids.shape[-2], n_img=img_ids.shape[-2])
-        # fp32, outside autocast; no weights, so every stage makes its own; cut like the tokens.
+        # fp32; no weights, so every stage makes its own; cut like the tokens.
         rope = kernels.rope_table(*(seq.joint(t) for t in self.rope(txt_ids, img_ids)))
         key_mask = seq.key_mask(img_ids.device)
-        with self._autocast():
-            if self.pre_process:
-                vec = self.conditioning(timestep, guidance, pooled_projections)
-                x = self.embed(seq.img(hidden_states, dim=1), seq.txt(encoder_hidden_states, dim=1))
-            else:
-                x, vec = unpack_stage_tensor(self.input_tensor)
-            x = self.run_blocks(x, seq.txt_len, vec, rope, key_mask)
-            if not self.post_process:
-                return pack_stage_tensor(x, vec).to(self.config.pipeline_dtype)  # p2p's buffer dtype
-            return seq.gather_img(self.head(x, seq.txt_len, vec)).transpose(0, 1)
+        if self.pre_process:
+            vec = self.conditioning(timestep, guidance, pooled_projections)
+            x = self.embed(seq.img(hidden_states, dim=1), seq.txt(encoder_hidden_states, dim=1))
+        else:
+            x, vec = (t.to(self.compute_dtype) for t in unpack_stage_tensor(self.input_tensor))
+        x = self.run_blocks(x, seq.txt_len, vec, rope, key_mask)
+        if not self.post_process:
+            return pack_stage_tensor(x, vec).to(self.config.pipeline_dtype)  # p2p's buffer dtype
+        return seq.gather_img(self.head(x, seq.txt_len, vec)).transpose(0, 1)
 
 
 def pack_stage_tensor(x, vec):
@@ -229,7 +234,7 @@ def pack_stage_tensor(x, vec):
     Sending the conditioning vector along as one extra row keeps Megatron's single-tensor
     p2p contract, keeps the embedders on the first stage only, and lets its gradient flow
     back through the normal pipeline backward (no cross-stage weight sharing to reduce)."""
-    return torch.cat([x, vec.unsqueeze(0).to(x.dtype)])
+    return torch.cat([x, vec.unsqueeze(0)])
 
 
 def unpack_stage_tensor(packed):
