@@ -34,7 +34,7 @@ from mm_grpo.grpo.timesteps import (SlidingWindow, branch_window, dance_grpo_tim
 from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
 from mm_grpo.parallel.state import dp_mean, dp_reduce
 from mm_grpo.rollout import (CONSTANT_FREE_LOG_PROB, SAMPLERS, SharedPrefix, Trajectory, get_sampler, rollout,
-                             sde_steps, sigma_schedule)
+                             sde_steps, sigma_schedule, stochastic_steps)
 from mm_grpo.runtime.denoiser import Denoiser, FluxDenoiser
 from mm_grpo.seeding import DEFAULT_SEED, GRPOStream, seeded_generator
 from mm_grpo.settings import setting
@@ -63,24 +63,34 @@ class PPOObjective(Objective):
     def __init__(self, settings: "GRPOSettings", sampler, sigmas):
         super().__init__(settings, sampler, sigmas)
         self.needs_old = settings.ratio_norm
+        # Per step of the schedule, once: whether it draws noise (decided on the host, so a row of
+        # such steps is scored without reading its std back) and GRPO-Guard's weight.
+        self.noisy = stochastic_steps(sampler, sigmas.detach().cpu())
+        self.step_weights = guard_step_weight(sigmas[:-1], sigmas[1:]) if settings.step_reweight else None
 
     def attach_old(self, mb, v_old):
         mb["old_mean"] = self.step(mb, v_old).mean
 
-    def fields(self, traj, r, t, k, drawn) -> dict:
-        return dict(hidden_states=traj.latents[r, t], x_next=traj.latents[r, t + 1], sigma_next=self.sigmas[t + 1],
-                    old_log_prob=traj.log_probs[r, t])
+    def fields(self, traj, r, t, k, drawn, host_t) -> dict:
+        row = dict(hidden_states=traj.latents[r, t], x_next=traj.latents[r, t + 1], sigma_next=self.sigmas[t + 1],
+                   old_log_prob=traj.log_probs[r, t])
+        if all(self.noisy[i] for i in host_t.tolist()):
+            row["stochastic"] = True
+        if self.step_weights is not None:
+            row["step_weight"] = self.step_weights[t]
+        return row
 
     def attach_reference(self, mb, v_ref):
         mb["ref_mean"] = self.step(mb, v_ref).mean
 
     def step(self, mb, v):
-        return self.sampler(mb["hidden_states"], v, mb["timestep"], mb["sigma_next"], x_next=mb["x_next"])
+        return self.sampler(mb["hidden_states"], v, mb["timestep"], mb["sigma_next"], x_next=mb["x_next"],
+                            stochastic=mb.get("stochastic"))
 
     def loss(self, v, mb):
         step = self.step(mb, v)
-        weight = None
-        if self.s.step_reweight:
+        weight = mb.get("step_weight")
+        if weight is None and self.s.step_reweight:
             weight = guard_step_weight(mb["timestep"], mb["sigma_next"])
         return grpo_loss(step.log_prob, mb["old_log_prob"], mb["advantages"], clip_range=self.s.clip_range,
                          kl_beta=self.s.kl_beta, mean=step.mean, ref_mean=mb.get("ref_mean"), std=step.std,
@@ -95,7 +105,7 @@ class AWMObjective(Objective):
         noise = draw_matching_noise(self.s, iteration, samples, num_trained, *traj.x0_hat.shape[1:])
         return noise.to(traj.x0_hat.device, traj.x0_hat.dtype)
 
-    def fields(self, traj, r, t, k, drawn) -> dict:
+    def fields(self, traj, r, t, k, drawn, host_t) -> dict:
         x0, noise = traj.x0_hat[r], drawn[r, k]
         return dict(hidden_states=noisy_latents(x0, noise, self.sigmas[t]).to(traj.latents.dtype), x0=x0, noise=noise)
 
@@ -243,16 +253,19 @@ class GRPOSettings:
 
 
 # --- seeded draws -----------------------------------------------------------------------
-def draw_noise(s: GRPOSettings, iteration: int, samples: range, shape: tuple):
+def draw_noise(s: GRPOSettings, iteration: int, samples: range, shape: tuple, pin_memory: bool = False):
     """Initial noise [B, *shape] and step noise [B, N, *shape] of global samples `samples` (CPU);
-    `shape`: one sample's latents."""
-    init, steps = [], []
-    for i in samples:
+    `shape`: one sample's latents. Each sample's draws are written in place into the batch's tensors
+    (page-locked with `pin_memory`, for an asynchronous copy to the accelerator)."""
+    init = torch.empty(len(samples), *shape, pin_memory=pin_memory)
+    steps = torch.empty(len(samples), s.num_inference_steps, *shape, pin_memory=pin_memory)
+    for row, i in enumerate(samples):
         key = i // s.num_generations if s.init_same_noise else i
-        init.append(torch.randn(*shape, generator=seeded_generator(s.seed, iteration, GRPOStream.INITIAL_NOISE, key)))
-        steps.append(torch.randn(s.num_inference_steps, *shape,
-                                 generator=seeded_generator(s.seed, iteration, GRPOStream.STEP_NOISE, i)))
-    return torch.stack(init), torch.stack(steps)
+        initial = seeded_generator(s.seed, iteration, GRPOStream.INITIAL_NOISE, key)
+        torch.randn(*shape, generator=initial, out=init[row])
+        stepwise = seeded_generator(s.seed, iteration, GRPOStream.STEP_NOISE, i)
+        torch.randn(s.num_inference_steps, *shape, generator=stepwise, out=steps[row])
+    return init, steps
 
 
 def draw_matching_noise(s: GRPOSettings, iteration: int, samples: range, num_trained: int, tokens: int,
@@ -328,9 +341,11 @@ class GRPOSchedule:
         return self.denoiser.conditioning(self.conditioner(unique), rows, self.device)
 
     def noise(self, iteration: int, samples: range):
-        """Initial noise [B, *latent] and step noise [B, N, *latent], per global sample index."""
-        init, steps = draw_noise(self.s, iteration, samples, self.denoiser.latent_shape)
-        return init.to(self.device), steps.to(self.device)
+        """Initial noise [B, *latent] and step noise [B, N, *latent], per global sample index: drawn
+        on the CPU, copied to a CUDA device asynchronously (from page-locked memory)."""
+        pinned = self.device.type == "cuda"
+        init, steps = draw_noise(self.s, iteration, samples, self.denoiser.latent_shape, pin_memory=pinned)
+        return init.to(self.device, non_blocking=pinned), steps.to(self.device, non_blocking=pinned)
 
     def sde_window(self, iteration: int):
         n, sel = sde_steps(self.s.sampler, self.s.num_inference_steps), self.s.timestep_selection
@@ -395,14 +410,20 @@ class GRPOSchedule:
 
     def micro_batches(self, traj, cond, advantages, steps, rows, drawn=None):
         """(trajectory, timestep) pairs as forward kwargs: the k-th trained step of `mbs` samples;
-        what a row holds besides the conditioning is the objective's (`drawn`: its `draw`)."""
+        what a row holds besides the conditioning is the objective's (`drawn`: its `draw`). The rows
+        and steps cross to the device once; each micro-batch gathers there."""
         mbs, out = self.s.micro_batch_size, []
+        host_steps = steps.cpu()
+        device_rows = torch.as_tensor(rows, dtype=torch.long).to(self.device)
+        device_steps = host_steps.to(self.device)
         for k in range(steps.shape[1]):
             for j in range(0, len(rows), mbs):
-                r = torch.as_tensor(rows[j:j + mbs])
-                t = steps[r, k].to(self.device)
+                r = device_rows[j:j + mbs]
+                t = device_steps[r, k]
+                host_t = host_steps[rows[j:j + mbs], k]
                 out.append(dict(
-                    self.objective.fields(traj, r, t, k, drawn), timestep=self.sigmas[t], advantages=advantages[r],
+                    self.objective.fields(traj, r, t, k, drawn, host_t), timestep=self.sigmas[t],
+                    advantages=advantages[r],
                     **{key: cond[key][r] for key in self.denoiser.per_sample_keys},
                     **{key: cond[key] for key in self.denoiser.shared_keys}))
         return out

@@ -139,10 +139,12 @@ STAT_DTYPE = torch.float32
 
 def dp_reduce(value, op=dist.ReduceOp.SUM, device=None) -> float:
     """A scalar statistic (a number or a 0-d tensor) reduced over the data-parallel group, in
-    STAT_DTYPE on `device` (default: the tensor's own; NCCL / HCCL need the accelerator's)."""
+    STAT_DTYPE on `device` (default: the tensor's own; NCCL / HCCL need the accelerator's). With one
+    data-parallel rank nothing moves: the value is read where it is."""
+    if parallel_state.get_data_parallel_world_size() == 1:
+        return torch.as_tensor(value, dtype=STAT_DTYPE).item()
     t = torch.as_tensor(value, dtype=STAT_DTYPE, device=device).clone()
-    if parallel_state.get_data_parallel_world_size() > 1:
-        dist.all_reduce(t, op=op, group=parallel_state.get_data_parallel_group())
+    dist.all_reduce(t, op=op, group=parallel_state.get_data_parallel_group())
     return t.item()
 
 
@@ -162,9 +164,16 @@ def _from_last_rank() -> dict:
                 group=parallel_state.get_pipeline_model_parallel_group())
 
 
+def _one_stage() -> bool:
+    return parallel_state.get_pipeline_model_parallel_world_size() == 1
+
+
 def tensor_from_last_stage(tensor: Optional[torch.Tensor], shape, dtype, device) -> torch.Tensor:
     """The last stage's `tensor` on every rank of the pipeline group: the other stages pass None and
-    receive it in a new tensor of `shape`, `dtype` on `device`."""
+    receive it in a new tensor of `shape`, `dtype` on `device`. Without pipeline stages it is the
+    caller's own (no collective)."""
+    if _one_stage():
+        return tensor
     if not is_last_stage():
         tensor = torch.empty(shape, dtype=dtype, device=device)
     dist.broadcast(tensor, **_from_last_rank())
@@ -172,7 +181,10 @@ def tensor_from_last_stage(tensor: Optional[torch.Tensor], shape, dtype, device)
 
 
 def object_from_last_stage(obj):
-    """The last stage's picklable `obj` on every rank of the pipeline group (the others pass None)."""
+    """The last stage's picklable `obj` on every rank of the pipeline group (the others pass None);
+    without pipeline stages the caller's own (nothing pickled)."""
+    if _one_stage():
+        return obj
     box = [obj]
     dist.broadcast_object_list(box, **_from_last_rank())
     return box[0]

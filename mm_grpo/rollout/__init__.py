@@ -13,7 +13,7 @@ from mm_grpo.rollout.samplers import (
     sde_steps,
 )
 from mm_grpo.rollout.sigmas import sigma_schedule
-from mm_grpo.rollout.trajectory import SharedPrefix, Trajectory, Transition, check_window, rollout
+from mm_grpo.rollout.trajectory import SharedPrefix, Trajectory, Transition, check_window, rollout, stochastic_steps
 
 __all__ = [
     "CONSTANT_FREE_LOG_PROB",
@@ -33,4 +33,5 @@ __all__ = [
     "rollout",
     "sde_steps",
     "sigma_schedule",
+    "stochastic_steps",
 ]

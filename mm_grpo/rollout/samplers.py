@@ -10,8 +10,14 @@ All arithmetic is float32 whatever the dtype of x and v (Flow-GRPO: "bf16 can ov
 `prev_sample` comes back in the dtype of x and the log-prob scores that very tensor.
 dance_sde and flow_sde score it with the Gaussian density; cps with Flow-GRPO's constant-free
 squared error (`cps_log_prob`), as its authors' code does.
+
+A step runs once per denoising step of every rollout and once per trained micro-batch, so it does
+the little it must on the latents: the log-prob is one difference and its squares' per-sample mean,
+and flow_sde's mean c_x x + c_v v (its coefficients per sample first); the x0 prediction of the
+steps that do not need it for their mean is computed only when read. Whether a step draws noise (std > 0) is a property of its
+sigmas: the caller that knows them on the host says so (`stochastic`), and the step then reads no
+value back from the device; without it the step checks std itself (one host sync).
 """
-import dataclasses
 import functools
 import math
 from typing import Callable, Optional, Union
@@ -23,24 +29,58 @@ Sigma = Union[float, torch.Tensor]
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
-@dataclasses.dataclass
 class StepOutput:
-    """One sampler step. `mean`, `std`, `x0_hat` are float32; `std` is 0-d or [B, 1, ...]."""
+    """One sampler step. `mean`, `std`, `x0_hat` are float32; `std` is 0-d or [B, 1, ...]; `log_prob`
+    [B], None when the step is deterministic. `x0_hat` is computed when first read (from the step's
+    inputs, which must not be modified before): the rollout reads the last step's only."""
+    __slots__ = ("prev_sample", "mean", "std", "log_prob", "_x0_hat")
 
-    prev_sample: torch.Tensor
-    mean: torch.Tensor
-    std: torch.Tensor
-    log_prob: Optional[torch.Tensor]  # [B]; None when the step is deterministic
-    x0_hat: torch.Tensor
+    def __init__(self, prev_sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor,
+                 log_prob: Optional[torch.Tensor], x0_hat: Union[torch.Tensor, Callable[[], torch.Tensor]]):
+        self.prev_sample, self.mean, self.std, self.log_prob, self._x0_hat = prev_sample, mean, std, log_prob, x0_hat
+
+    @property
+    def x0_hat(self) -> torch.Tensor:
+        if callable(self._x0_hat):
+            self._x0_hat = self._x0_hat()
+        return self._x0_hat
+
+    def __repr__(self):
+        shape = tuple(self.prev_sample.shape)
+        return f"StepOutput(prev_sample={shape}, log_prob={'None' if self.log_prob is None else 'set'})"
+
+
+def _x0_prediction(x32: torch.Tensor, v32: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return x32 - s * v32
+
+
+def _lazy_x0(x32, v32, s) -> Callable[[], torch.Tensor]:
+    return functools.partial(_x0_prediction, x32, v32, s)
+
+
+def _squared_error(sample: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """mean((sample - mean)^2) over all non-batch dims, float32 -> [B]: one difference (the sample
+    detached), squared in place unless autograd needs it."""
+    diff = sample.detach().float() - mean
+    squared = diff.square() if diff.requires_grad else diff.square_()
+    return squared.mean(dim=tuple(range(1, squared.ndim)))
+
+
+def _per_row(std: torch.Tensor) -> torch.Tensor:
+    """A 0-d std as is, a [B, 1, ...] one as [B]."""
+    return std if std.ndim == 0 else std.reshape(-1)
 
 
 def gaussian_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """log N(sample; mean, std^2) averaged over all non-batch dims, in float32 -> [B].
 
+    With std one value per sample (0-d or [B, 1, ...]), the average is
+    -mean((sample - mean)^2) / (2 std^2) - log std - log sqrt(2 pi): the latents are read in one
+    pass (`_squared_error`), the rest is per-sample arithmetic on [B].
     The sample is detached, as in DanceGRPO / Flow-GRPO: gradients flow through the mean only.
     """
-    log_prob = -((sample.detach().float() - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
-    return log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
+    std = _per_row(std)
+    return -_squared_error(sample, mean) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
 
 
 def cps_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
@@ -50,8 +90,7 @@ def cps_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) ->
     sde_type "cps"): every constant removed, 1/(2 std^2) included, so its log-ratios and the clip
     ranges tuned on them carry over. The sample is detached, as in `gaussian_log_prob`.
     """
-    log_prob = -((sample.detach().float() - mean) ** 2)
-    return log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
+    return -_squared_error(sample, mean)
 
 
 def _per_sample(value: Sigma, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -86,25 +125,46 @@ def _deterministic(x, mean, std, x0_hat, x_next) -> StepOutput:
     return StepOutput(prev, mean, std, None, x0_hat)
 
 
-def _stochastic(x, mean, std, x0_hat, eps, x_next, log_prob=gaussian_log_prob) -> StepOutput:
+def _draws_noise(std: torch.Tensor) -> bool:
+    """Whether a step with this std is stochastic, read from the device (one host sync): std > 0 for
+    every sample, or 0 for every one (e.g. cps into sigma = 0); anything else is an error."""
     positive = std > 0
-    if not bool(positive.all()):
-        if bool((std == 0).all()):  # e.g. cps into sigma = 0: no noise, no density
-            return _deterministic(x, mean, std, x0_hat, x_next)
-        bad = int((~positive).sum())
-        raise ValueError(
-            f"sampler std is not > 0 for {bad} of {positive.numel()} samples: "
-            "sigma_next must be < sigma, and a zero-noise step (cps into sigma=0) cannot be trained"
-        )
+    if bool(positive.all()):
+        return True
+    if bool((std == 0).all()):
+        return False
+    bad = int((~positive).sum())
+    raise ValueError(
+        f"sampler std is not > 0 for {bad} of {positive.numel()} samples: "
+        "sigma_next must be < sigma, and a zero-noise step (cps into sigma=0) cannot be trained"
+    )
+
+
+def _stochastic(x, mean, std, x0_hat, eps, x_next, stochastic: Optional[bool],
+                log_prob=gaussian_log_prob) -> StepOutput:
+    """The step's output; `stochastic` None: decided from std (`_draws_noise`)."""
+    if not (_draws_noise(std) if stochastic is None else stochastic):
+        return _deterministic(x, mean, std, x0_hat, x_next)
     if x_next is None:
         if eps is None:
             raise ValueError("a stochastic sampler step needs eps (rollout) or x_next (training)")
-        x_next = (mean + std * eps.float()).to(x.dtype)
+        drawn = std * eps.float()
+        drawn += mean  # = mean + std * eps, in the product's buffer
+        x_next = drawn.to(x.dtype)
     return StepOutput(x_next, mean, std, log_prob(x_next, mean, std), x0_hat)
 
 
-def dance_sde_step(x, v, sigma, sigma_next, *, eps=None, x_next=None, noise_level: float = 0.3) -> StepOutput:
-    """DanceGRPO's SDE step; noise_level is its eta."""
+def _combine(x32: torch.Tensor, c_x: torch.Tensor, v32: torch.Tensor, c_v: torch.Tensor) -> torch.Tensor:
+    """c_x x + c_v v with per-sample coefficients: three passes over the latents."""
+    mean = x32 * c_x
+    return mean.add_(v32 * c_v)
+
+
+def dance_sde_step(x, v, sigma, sigma_next, *, eps=None, x_next=None, noise_level: float = 0.3,
+                   stochastic: Optional[bool] = None) -> StepOutput:
+    """DanceGRPO's SDE step; noise_level is its eta. Its mean as DanceGRPO writes it (x + d v - 0.5 eta^2
+    d score, d = s_next - s): substituted into c_x x + c_v v it moved a Wan run's trained layouts apart
+    (tests/test_wan_grpo.py), so it is kept in this form. `stochastic`: see the module's docstring."""
     _check_noise_level("dance_sde", noise_level)
     x32, v32, s, s_next = _prepare(x, v, sigma, sigma_next, eps, x_next)
     d = s_next - s
@@ -112,10 +172,11 @@ def dance_sde_step(x, v, sigma, sigma_next, *, eps=None, x_next=None, noise_leve
     score = -(x32 - (1 - s) * x0_hat) / s**2
     mean = x32 + d * v32 + d * (-0.5 * noise_level**2 * score)
     std = noise_level * torch.sqrt(s - s_next)
-    return _stochastic(x, mean, std, x0_hat, eps, x_next)
+    return _stochastic(x, mean, std, x0_hat, eps, x_next, stochastic)
 
 
-def flow_sde_step(x, v, sigma, sigma_next, *, eps=None, x_next=None, noise_level: float = 0.7) -> StepOutput:
+def flow_sde_step(x, v, sigma, sigma_next, *, eps=None, x_next=None, noise_level: float = 0.7,
+                  stochastic: Optional[bool] = None) -> StepOutput:
     """Flow-GRPO's SDE step; noise_level is its a.
 
     std_t = a * sqrt(sigma / (1 - sigma)) is infinite at sigma = 1, where Flow-GRPO puts the
@@ -126,36 +187,37 @@ def flow_sde_step(x, v, sigma, sigma_next, *, eps=None, x_next=None, noise_level
     x32, v32, s, s_next = _prepare(x, v, sigma, sigma_next, eps, x_next)
     dt = s_next - s
     std_t = noise_level * torch.sqrt(s / (1 - torch.where(s == 1, s_next, s)))
-    mean = x32 * (1 + std_t**2 / (2 * s) * dt) + v32 * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
+    mean = _combine(x32, 1 + std_t**2 / (2 * s) * dt, v32, (1 + std_t**2 * (1 - s) / (2 * s)) * dt)
     std = std_t * torch.sqrt(-dt)
-    return _stochastic(x, mean, std, x32 - s * v32, eps, x_next)
+    return _stochastic(x, mean, std, _lazy_x0(x32, v32, s), eps, x_next, stochastic)
 
 
-def cps_step(x, v, sigma, sigma_next, *, eps=None, x_next=None, noise_level: float = 0.7) -> StepOutput:
+def cps_step(x, v, sigma, sigma_next, *, eps=None, x_next=None, noise_level: float = 0.7,
+             stochastic: Optional[bool] = None) -> StepOutput:
     """Coefficient-preserving step: the noise in x' keeps total variance sigma_next^2.
 
     x' = (1 - sigma_next) x0_hat + sqrt(sigma_next^2 - std^2) x1_hat + std * eps with
-    std = sigma_next * sin(a pi / 2), scored by Flow-GRPO's constant-free `cps_log_prob`.
-    Into sigma_next = 0 the step has no noise (log_prob None).
+    std = sigma_next * sin(a pi / 2), x0_hat = x - sigma v and x1_hat = x + (1 - sigma) v, scored by
+    Flow-GRPO's constant-free `cps_log_prob`. Into sigma_next = 0 the step has no noise (log_prob None).
     """
     _check_noise_level("cps", noise_level)
     x32, v32, s, s_next = _prepare(x, v, sigma, sigma_next, eps, x_next)
     std = s_next * math.sin(noise_level * math.pi / 2)
+    # clamp: at a = 1 rounding could leave a tiny negative under the root
     x0_hat = x32 - s * v32
     x1_hat = x32 + (1 - s) * v32
-    # clamp: at a = 1 rounding could leave a tiny negative under the root
     mean = (1 - s_next) * x0_hat + torch.sqrt((s_next**2 - std**2).clamp_min(0)) * x1_hat
-    return _stochastic(x, mean, std, x0_hat, eps, x_next, log_prob=cps_log_prob)
+    return _stochastic(x, mean, std, x0_hat, eps, x_next, stochastic, log_prob=cps_log_prob)
 
 
-def ode_step(x, v, sigma, sigma_next, *, eps=None, x_next=None) -> StepOutput:
+def ode_step(x, v, sigma, sigma_next, *, eps=None, x_next=None, stochastic: Optional[bool] = None) -> StepOutput:
     """Deterministic Euler step x + (sigma_next - sigma) v; log_prob None (not trainable).
 
-    `eps` is accepted and ignored so that the rollout loop can call every step alike.
+    `eps` and `stochastic` are accepted and ignored so that the rollout loop can call every step alike.
     """
     x32, v32, s, s_next = _prepare(x, v, sigma, sigma_next, None, x_next)
     mean = x32 + (s_next - s) * v32
-    return _deterministic(x, mean, torch.zeros_like(s), x32 - s * v32, x_next)
+    return _deterministic(x, mean, torch.zeros_like(s), _lazy_x0(x32, v32, s), x_next)
 
 
 SAMPLERS = {"dance_sde": dance_sde_step, "flow_sde": flow_sde_step, "cps": cps_step, "ode": ode_step}

@@ -1,6 +1,7 @@
 """Model-independent batched rollout: runs a sampler over a velocity callable and records
 everything GRPO training needs (latents at every step, per-step log-probs, SDE steps)."""
 import dataclasses
+import inspect
 import operator
 from typing import Callable, Optional, Sequence, Tuple, Union
 
@@ -124,12 +125,17 @@ def rollout(
     reuses the last velocity in between (the coarsest DiT cache). Steps inside the window
     always get a fresh velocity, so their latents and log-probs are what training recomputes.
     shared_prefix evaluates the steps before the window once per group of identical rows.
+
+    The loop queues its work without reading anything back from the device: whether each step
+    draws noise is decided on the host before the first step (`stochastic_steps`; an invalid
+    schedule fails there), the per-sample sigmas are made once.
     """
     step_fn = get_sampler(sampler) if isinstance(sampler, str) else sampler
     if sigmas.ndim != 1 or sigmas.numel() < 2:
         raise ValueError(f"sigmas must be 1-D with N+1 >= 2 entries, got shape {tuple(sigmas.shape)}")
     if latents.ndim < 2:
         raise ValueError(f"latents must be batched [B, ...], got shape {tuple(latents.shape)}")
+    host_sigmas = sigmas.detach().to("cpu", torch.float32)  # read once; the loop reads none back
     sigmas = sigmas.to(device=latents.device, dtype=torch.float32)
     batch, num_steps = latents.shape[0], sigmas.numel() - 1
     start, end = check_window(sde_window, num_steps)
@@ -142,29 +148,69 @@ def rollout(
     if shared_prefix is not None and not torch.equal(latents, latents[shared_prefix.rows][shared_prefix.inverse]):
         raise ValueError("a shared prefix needs the same initial latents within each group (init_same_noise)")
     draw_device = generator.device if generator is not None else latents.device
+    stochastic = stochastic_steps(step_fn, host_sigmas, start, end)  # host decisions, checked once
 
     x = latents
     states = [x]
     log_probs = torch.full((batch, num_steps), float("nan"), device=x.device)
-    is_sde = torch.zeros(num_steps, dtype=torch.bool, device=x.device)
+    sigma_rows = sigmas.repeat_interleave(batch).view(num_steps + 1, batch)  # row i: sigma_i per sample
+    pass_flag = _takes_stochastic(step_fn)
     ode_run = 0  # position in the current run of ODE steps
     for i in range(num_steps):
         ode_run = ode_run + 1 if not start <= i < end else 0
         fresh = ode_run == 0 or (ode_run - 1) % ode_reuse == 0
         if fresh and shared_prefix is not None and i < start:
             rows = shared_prefix.rows
-            v = shared_prefix.velocity_fn(x[rows], sigmas[i].repeat(len(rows)))[shared_prefix.inverse]
+            v = shared_prefix.velocity_fn(x[rows], sigma_rows[i, :len(rows)])[shared_prefix.inverse]
         elif fresh:
-            v = velocity_fn(x, sigmas[i].repeat(batch))
+            v = velocity_fn(x, sigma_rows[i])
         if noise is not None:
             eps = noise[:, i]
         else:
             eps = torch.randn(x.shape, generator=generator, device=draw_device).to(x.device)
-        step = step_fn if start <= i < end else ode_step
-        out = step(x, v, sigmas[i], sigmas[i + 1], eps=eps)
+        if start <= i < end:
+            out = step_fn(x, v, sigmas[i], sigmas[i + 1], eps=eps,
+                          **({"stochastic": stochastic[i]} if pass_flag else {}))
+        else:
+            out = ode_step(x, v, sigmas[i], sigmas[i + 1])
         if out.log_prob is not None:
             log_probs[:, i] = out.log_prob
-            is_sde[i] = True
         x = out.prev_sample
         states.append(x)
-    return Trajectory(sigmas, torch.stack(states, dim=1), log_probs, is_sde, out.x0_hat)
+    return Trajectory(sigmas, torch.stack(states, dim=1), log_probs, _step_mask(stochastic, x.device), out.x0_hat)
+
+
+def _takes_stochastic(step_fn) -> bool:
+    """Whether a step function takes the `stochastic` keyword (mm-grpo's samplers all do)."""
+    try:
+        parameters = inspect.signature(step_fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "stochastic" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+def stochastic_steps(step_fn, host_sigmas: torch.Tensor, start: int = 0, end: Optional[int] = None) -> list:
+    """[N] whether each step of a schedule draws noise under `step_fn`, decided on the host: the steps
+    of the window start..end-1 (default: all) are asked on a one-element latent at the step's sigmas
+    (the step's own std and its checks, on the CPU), the others are ODE steps. A loop that knows this
+    passes it to its steps (`stochastic`), which then read nothing back from the device."""
+    end = host_sigmas.numel() - 1 if end is None else end
+    one = torch.zeros(1, 1)
+    return [start <= i < end and step_fn(one, one, host_sigmas[i], host_sigmas[i + 1], eps=one).log_prob is not None
+            for i in range(host_sigmas.numel() - 1)]
+
+
+def _step_mask(flags: list, device) -> torch.Tensor:
+    """The [N] bool tensor of `flags` on `device`, filled by runs (no host-to-device copy)."""
+    mask = torch.zeros(len(flags), dtype=torch.bool, device=device)
+    i = 0
+    while i < len(flags):
+        if flags[i]:
+            j = i
+            while j < len(flags) and flags[j]:
+                j += 1
+            mask[i:j] = True
+            i = j
+        else:
+            i += 1
+    return mask

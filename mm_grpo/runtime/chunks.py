@@ -150,8 +150,26 @@ def forward_backward(model_chunks: Sequence[FluxTransformer], micro_batches: Seq
         return loss, {"loss": loss.detach().clone(), **stats}
 
     results = _run_schedule(model_chunks, micro_batches, loss_func, forward_only)
-    return object_from_last_stage([{k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in r.items()}
-                                   for r in results] if is_last_stage() else None)
+    return object_from_last_stage(results_to_host(results) if is_last_stage() else None)
+
+
+def results_to_host(results: Sequence[Dict]) -> List[Dict]:
+    """The micro-batches' {name: value} with their tensors detached and on the CPU. The scalars of a
+    dtype and device cross in one copy (one host sync, not one per statistic and micro-batch)."""
+    out = [dict(r) for r in results]
+    groups: Dict[tuple, list] = {}
+    for i, r in enumerate(out):
+        for k, v in r.items():
+            if torch.is_tensor(v):
+                if v.ndim == 0 and v.device.type != "cpu":
+                    groups.setdefault((v.dtype, v.device), []).append((i, k))
+                else:
+                    r[k] = v.detach().cpu()
+    for places in groups.values():
+        values = torch.stack([out[i][k].detach() for i, k in places]).cpu()
+        for (i, k), value in zip(places, values.unbind()):
+            out[i][k] = value
+    return out
 
 
 # --- pipelined inference for the rollout -------------------------------------------------
@@ -192,18 +210,22 @@ def make_velocity_fn(model_chunks: Sequence[FluxTransformer], cond: Dict, micro_
     config = get_attr_wrapped_model(model_chunks[0], "flux_config")
     per_sample = [k for k in PER_SAMPLE_CONDITIONING if cond.get(k) is not None]
 
+    # The conditioning of each micro-batch, cut once: a step adds its latents and sigmas.
+    starts = range(0, batch, micro_batch_size)
+    conditioned = [dict({k: cond[k][i:i + micro_batch_size] for k in per_sample},
+                        img_ids=cond["img_ids"], txt_ids=cond["txt_ids"]) for i in starts]
+
     def velocity_fn(x, sigma):
         if x.shape[0] != batch or sigma.shape != (batch,):
             raise ValueError(f"velocity_fn takes x [{batch}, S_img, C] and sigma [{batch}], got "
                              f"{tuple(x.shape)} and {tuple(sigma.shape)}")
-        micro_batches = [
-            dict({k: cond[k][i:i + micro_batch_size] for k in per_sample},
-                 hidden_states=x[i:i + micro_batch_size], timestep=sigma[i:i + micro_batch_size],
-                 img_ids=cond["img_ids"], txt_ids=cond["txt_ids"])
-            for i in range(0, batch, micro_batch_size)]
+        micro_batches = [dict(c, hidden_states=x[i:i + micro_batch_size], timestep=sigma[i:i + micro_batch_size])
+                         for i, c in zip(starts, conditioned)]
         with torch.no_grad():
             outs = _run_schedule(model_chunks, micro_batches + micro_batches[-1:] * padding,
                                  lambda out, batch: out, forward_only=True, collect_non_loss_data=True)
+        # One contiguous tensor (a model output is a transposed view): the broadcast to the other
+        # pipeline stages sends its storage as laid out.
         v = torch.cat(outs[:num_microbatches]).to(x.dtype) if is_last_stage() else None
         return tensor_from_last_stage(v, (batch, x.shape[1], config.output_channels), x.dtype, x.device)
 

@@ -33,10 +33,14 @@ from mm_grpo.training.logging_utils import TrainLogger, is_logging_rank
 def all_finite(loss: float, ddp_chunks) -> bool:
     """The loss and every gradient finite, agreed by all ranks (the optimizer step is collective,
     so either every rank steps or none does). The flag lives on the parameters' device:
-    NCCL / HCCL reduce accelerator tensors only."""
-    params = [p for chunk in ddp_chunks for p in chunk.parameters() if p.requires_grad]
-    finite = math.isfinite(loss) and all(bool(torch.isfinite(getattr(p, "main_grad", p.grad)).all()) for p in params)
-    flag = torch.tensor(1.0 if finite else 0.0, device=params[0].device)
+    NCCL / HCCL reduce accelerator tensors only. One host sync: the gradients' largest magnitudes
+    (one multi-tensor kernel: inf or NaN exactly where a gradient is not finite, and no overflow
+    of a sum) are checked together on the device, and only the agreed flag is read back."""
+    grads = [getattr(p, "main_grad", p.grad) for chunk in ddp_chunks for p in chunk.parameters() if p.requires_grad]
+    largest = torch._foreach_norm(grads, math.inf)
+    flag = torch.stack([m.float() for m in largest]).isfinite().all().float()
+    if not math.isfinite(loss):
+        flag.zero_()
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
