@@ -11,6 +11,12 @@ same on CPU and accelerators (allocator caching and temporaries are not included
 `--text-layout` instead times, in one process, what an SP rank computes for one double
 and one single block (forward + backward) when the text tokens are split along the
 sequence like the image tokens vs. kept whole on every rank (heads sliced for attention).
+
+`--block-bytes` counts, for one double and one single block (full fine-tuning and LoRA, bf16 and
+fp32), what `mm-grpo plan`'s activation terms predict (mm_grpo/plan/formulas.py): the bytes autograd
+saves per token (`SavedActivationMeter`, the slope between two sequence lengths) and per weight
+(the intercept: bf16 copies of trainable fp32 weights), the working set of a recomputed block's
+backward and the live set of a no-grad forward (`BlockLiveMeter`), each beside the formula.
 """
 import argparse
 import contextlib
@@ -78,6 +84,116 @@ class _Saved:
 
     def __del__(self):
         self.meter._release(self.key)
+
+
+class BlockLiveMeter:
+    """bench/plan_validate.py's LiveTensorMeter (the bytes of the tensor storages allocated while
+    active and still alive, their peak) that leaves out the storages of `existing` tensors (a
+    block's input, the RoPE table, the parameters): an op that returns a view of one of them (a
+    slice of the input, a transposed weight) allocates nothing."""
+
+    def __new__(cls, existing):
+        from bench.plan_validate import LiveTensorMeter
+        meter = LiveTensorMeter()
+        for t in existing:
+            meter._seen[id(t.untyped_storage())] = None  # never counted, never freed while measured
+        return meter
+
+
+def block_bytes(kind: str, lora_rank: int = 0, bf16: bool = True, hidden: int = 256, heads: int = 4,
+                txt_len: int = 64, image_tokens=(512, 1024)) -> dict:
+    """What one FLUX block (`kind`: double or single) holds, per token and hidden unit (bytes / D) and
+    per weight, measured at two sequence lengths (`txt_len` + each of `image_tokens`, one sample) as
+    the trainer builds it: --bf16 or fp32 compute, full fine-tuning (fp32 parameters; silu(temb)
+    needs a gradient) or LoRA of `lora_rank` on the recommended targets (base frozen, in bf16 under
+    --bf16). Needs megatron-core's parallel state (one rank).
+      saved_per_token, saved_intercept: the storages autograd saves in the block's forward (the
+        parameters and the RoPE table left out), slope and intercept;
+      working_per_token: the peak of the recomputed block's forward + backward (torch.utils.checkpoint,
+        as `run_blocks`) less the recomputed saved bytes (less the input) and the block's output;
+      no_grad_per_token: the peak of a no-grad forward, the block's input added."""
+    from torch.utils.checkpoint import checkpoint
+
+    from mm_grpo import kernels
+    from mm_grpo.models.flux import FluxTransformer, lora
+    d = hidden // heads
+    rope_axes = (d // 8 * 2, d // 16 * 7, d - d // 8 * 2 - d // 16 * 7)  # FLUX's 16/56/56 proportions
+    config = FluxConfig.preset("tiny").replace(num_attention_heads=heads, attention_head_dim=d,
+                                               axes_dims_rope=rope_axes, bf16=bf16, num_layers=1, num_single_layers=1)
+    torch.manual_seed(0)
+    model = FluxTransformer(config)
+    if lora_rank:
+        lora.add_adapters(model, lora.LoRAConfig(r=lora_rank, alpha=lora_rank), seed=0)
+        if bf16:
+            lora.freeze_base_in_bf16(model)
+    block = (model.double_blocks if kind == "double" else model.single_blocks)[0]
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    params = list(model.parameters())
+    rows = []
+    for n_img in image_tokens:
+        g = torch.Generator().manual_seed(0)
+        rope = kernels.rope_table(*model.rope(torch.zeros(txt_len, 3), torch.rand(n_img, 3, generator=g)))
+        x = torch.randn(txt_len + n_img, 1, hidden, generator=g).to(dtype).requires_grad_(True)
+        vec = torch.randn(1, hidden, generator=g).to(dtype).requires_grad_(not lora_rank)
+        saved = SavedActivationMeter(params + [rope])
+        with saved():
+            block(x, txt_len, vec, rope)
+        live = BlockLiveMeter(params + [rope, x, vec])
+        with live:
+            y = checkpoint(block, x, txt_len, vec, rope, None, use_reentrant=False)
+            y.backward(torch.ones_like(y))
+        no_grad = BlockLiveMeter(params + [rope, x, vec])
+        with torch.no_grad(), no_grad:
+            block(x, txt_len, vec, rope)
+        out_bytes = x.numel() * x.element_size()
+        rows.append((txt_len + n_img, saved.peak, live.peak - (saved.peak - out_bytes) - out_bytes,
+                     no_grad.peak + out_bytes))
+    (n1, s1, w1, f1), (n2, s2, w2, f2) = rows
+    slope = lambda a, b: (b - a) / (n2 - n1) / hidden  # noqa: E731
+    per_token = slope(s1, s2)
+    return dict(saved_per_token=per_token, saved_intercept=s1 - per_token * hidden * n1,
+                working_per_token=slope(w1, w2), no_grad_per_token=slope(f1, f2),
+                block_trainable=sum(p.numel() for p in block.parameters() if p.requires_grad),
+                block_trainable_matrices=sum(p.numel() for p in block.parameters() if p.requires_grad and p.dim() >= 2),
+                config=config)
+
+
+def block_bytes_table(args):
+    """`block_bytes` of both kinds, full and LoRA, bf16 and fp32, beside mm-grpo plan's formulas (their
+    per-token slope over the same two sequence lengths)."""
+    from mm_grpo.plan import formulas as f
+    initialize_parallel(ParallelConfig())
+    print(f"one FLUX block, D={args.hidden}, {args.heads} heads, {args.txt_len} text + 512 / 1024 image tokens; "
+          f"bytes per token per hidden unit (bytes / D), measured | formula")
+    for bf16 in (True, False):
+        for rank in (0, args.lora_r):
+            for i, kind in enumerate(("double", "single")):
+                m = block_bytes(kind, rank, bf16, args.hidden, args.heads, args.txt_len)
+                formula = formula_block_bytes(m["config"], i, rank, bf16, args.txt_len, m["block_trainable"])
+                print(f"{'bf16' if bf16 else 'fp32'} {'LoRA r=%d' % rank if rank else 'full':9s} {kind:6s}: saved "
+                      f"{m['saved_per_token']:6.2f} | {formula['saved_per_token']:6.2f}; weight copies "
+                      f"{m['saved_intercept'] / 2**20:6.3f} | {formula['weight_copies'] / 2**20:6.3f} MiB; backward "
+                      f"working set {m['working_per_token']:6.2f} | {formula['working_per_token']:6.2f}; no-grad "
+                      f"forward {m['no_grad_per_token']:6.2f} | {formula['no_grad_per_token']:6.2f}"
+                      f"{' (the double block)' if i else ''}")
+    destroy_parallel()
+
+
+def formula_block_bytes(config: FluxConfig, index: int, lora_rank: int, bf16: bool, txt_len: int,
+                        block_trainable: int) -> dict:
+    """mm-grpo plan's figures for what `block_bytes` measures: the block's saved bytes per token
+    (`index` 0: double, 1: single), its weight copies, its backward working set per token, and the
+    per-token slope of the no-grad forward's working set (a double block's: the planner counts the
+    larger) between the same two jobs (one sample, 512 and 1024 image tokens)."""
+    from mm_grpo.plan import formulas as f
+    jobs = [f.Job(bf16=bf16, lora_rank=lora_rank, micro_batch_size=1, text_tokens=txt_len, height=h, width=512)
+            for h in (256, 512)]  # 512 and 1024 image tokens
+    layout, D, c = f.Layout(), config.hidden_size, f.activation_bytes(jobs[0])
+    slope = lambda fn: (fn(jobs[1]) - fn(jobs[0])) / 512 / D  # noqa: E731
+    return dict(saved_per_token=f.block_activation_bytes(config, 1, lora_rank, c)[index] / D,
+                weight_copies=f.weight_cast_bytes(jobs[0], block_trainable),
+                working_per_token=f.BACKWARD_WORKING_BYTES_PER_TOKEN[c, bool(lora_rank)][index],
+                no_grad_per_token=slope(lambda j: f.rollout_forward_working_bytes(config, j, layout)))
 
 
 def bench_config(args) -> FluxConfig:
@@ -212,8 +328,13 @@ def main():
     p.add_argument("--text-layout", action="store_true", help="time split vs. replicated text instead")
     p.add_argument("--sp-sizes", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--block-bytes", action="store_true",
+                   help="one block's saved bytes, working sets and weight copies against mm-grpo plan's formulas")
+    p.add_argument("--lora-r", type=int, default=8, help="--block-bytes: the LoRA rank")
     args = p.parse_args()
-    if args.text_layout:
+    if args.block_bytes:
+        block_bytes_table(args)
+    elif args.text_layout:
         text_layout_timing(args)
     else:
         memory_table(args)

@@ -3,6 +3,7 @@
     torchrun --nproc_per_node N bench/plan_validate.py [--json out.json] [--layouts dp2 tp2 ...]
     python bench/plan_validate.py --report --json out.json     # the table, with the predictions
     python bench/plan_validate.py --probe-vae                   # the VAE decode constants
+    python bench/plan_validate.py --time                        # the time model against GPU iterations
 
 Each layout that fits the world size runs the trainer (`GRPORun`, two iterations: the second
 has Adam's states) at the bench preset of bench/grpo_setup.py (D = 256, 2 + 4 blocks, 256 x 256
@@ -46,9 +47,14 @@ LAYOUTS = {
     "pp2xsp2": (1, 2, 2, []), "pp2xdp2-recompute": (1, 2, 1, ["--recompute-activations"]),
     "single-lora": (1, 1, 1, LORA), "single-lora-kl": (1, 1, 1, LORA + ["--kl-beta", "0.01"]),
     "dp2-lora": (1, 1, 1, LORA), "tp2-lora": (2, 1, 1, LORA),
+    # --bf16 (the model computes in bf16; with LoRA the frozen base is held in bf16)
+    "single-bf16": (1, 1, 1, ["--bf16"]), "single-bf16-recompute": (1, 1, 1, ["--bf16", "--recompute-activations"]),
+    "single-lora-bf16": (1, 1, 1, LORA + ["--bf16"]),
+    "single-lora-bf16-recompute": (1, 1, 1, LORA + ["--bf16", "--recompute-activations"]),
 }
 WORLD = {"single": 1, "single-recompute": 1, "dp2": 2, "tp2": 2, "sp2": 2, "pp2": 2, "dp2-distopt": 2,
-         "single-lora": 1, "single-lora-kl": 1, "dp2-lora": 2, "tp2-lora": 2}
+         "single-lora": 1, "single-lora-kl": 1, "dp2-lora": 2, "tp2-lora": 2, "single-bf16": 1,
+         "single-bf16-recompute": 1, "single-lora-bf16": 1, "single-lora-bf16-recompute": 1}
 
 
 class LiveTensorMeter(TorchDispatchMode):
@@ -155,7 +161,8 @@ def job_of(preset, steps, mbs, extra):
                num_inference_steps=steps, timestep_fraction=preset.timestep_fraction, micro_batch_size=mbs,
                recompute="--recompute-activations" in extra, lora_rank=LORA_RANK if "--lora-r" in extra else 0,
                kl_reference="--kl-beta" in extra,
-               distributed_optimizer="--use-distributed-optimizer" in extra, bf16=False, param_dtype="fp32")
+               distributed_optimizer="--use-distributed-optimizer" in extra, bf16="--bf16" in extra,
+               param_dtype="fp32")
 
 
 def predict(row, paths):
@@ -266,6 +273,61 @@ def probe_vae():
     print(f"tiny pipeline VAE decode: {meter.peak / 256 ** 2 / 4:.1f} values per pixel at 256 px")
 
 
+# Measured GRPO iterations at FLUX.1-dev's width on one GPU (bench/full_size.py, random weights, G = 12
+# at 512 px, jpeg reward, LoRA 64 on the recommended targets unless full), all on the fp32-residual
+# layout (bf16 autocast over fp32 parameters): (name, profile, measured matmul TFLOP/s, block
+# overrides of flux-dev, Job fields, --compile-blocks, measured (rollout, train, decode + reward) s,
+# source). The first two are the time model's calibration (mm_grpo/plan/calibration.py).
+TIME_RUNS = [
+    ("H200 eager (calibration)", "h200", 785.6, {}, dict(height=512, micro_batch_size=12, lora_rank=64), False,
+     (9.590, 18.963, 0.492), "docs/measurements/h200_2026-11-28/grpo.json"),
+    ("H200 compiled (calibration)", "h200", 785.6, {}, dict(height=512, micro_batch_size=12, lora_rank=64), True,
+     (8.353, 15.086, 0.494), "docs/measurements/h200_2026-11-28/grpo_compiled.json"),
+    # The runs below were measured on the earlier fp32-residual autocast layout: the plan (calibrated
+    # on the bf16 layout) is expected to be faster than them.
+    ("H100 eager, the same job", "h100", 731.8, {}, dict(height=512, micro_batch_size=12, lora_rank=64), False,
+     (15.657, 29.525, 0.264), "docs/measurements/h100_2026-11-27/flux_dev.json"),
+    ("H100 eager, 1024 px, m = 6, N = 4", "h100", 769.0, {},
+     dict(height=1024, micro_batch_size=6, lora_rank=64, num_inference_steps=4), False, (14.1, 12.4, 1.7),
+     "docs/performance.md (the process's first iteration)"),
+    ("H200 eager, FLUX width, full", "h200", 794.1, dict(num_layers=2, num_single_layers=4),
+     dict(height=512, micro_batch_size=12, text_tokens=128, recompute=False), False, (1.035, 1.617, 0.213),
+     "docs/measurements/h200_2026-11-27/width.json"),
+    ("H200 compiled, FLUX width, full", "h200", 769.5, dict(num_layers=2, num_single_layers=4),
+     dict(height=512, micro_batch_size=12, text_tokens=128, recompute=False), True, (0.861, 1.193, 0.228),
+     "docs/measurements/h200_2026-11-27/compiled.json"),
+    ("H100 eager, FLUX width, full", "h100", 747.3, dict(num_layers=2, num_single_layers=4),
+     dict(height=512, micro_batch_size=12, text_tokens=128, recompute=False), False, (1.147, 1.896, 0.249),
+     "docs/measurements/h100_2026-11-27/flux_width.json"),
+    ("H200 eager, 7 + 14 blocks, full, m = 1", "h200", 747.8, dict(num_layers=7, num_single_layers=14),
+     dict(height=512, micro_batch_size=1), False, (7.681, 25.860, 0.235),
+     "docs/measurements/h200_2026-11-27/depth_7_14.json"),
+    ("H200 eager, 8 + 16 blocks, full, m = 1", "h200", 765.4, dict(num_layers=8, num_single_layers=16),
+     dict(height=512, micro_batch_size=1), False, (9.048, 29.446, 0.238),
+     "docs/measurements/h200_2026-11-27/depth_8_16.json"),
+]
+
+
+def time_report():
+    """The plan's seconds for each of TIME_RUNS (its card at the matmul rate measured with it) against the measured."""
+    from mm_grpo.models.flux import FluxConfig
+    from mm_grpo.plan import devices
+    from mm_grpo.plan import formulas as f
+    from mm_grpo.plan.frozen_parts import flux_components
+    comps = flux_components(reward="jpeg_compressibility")
+    print("| run | measured s (rollout / train / decode) | predicted | iteration error | rollout | train |")
+    print("|---|---|---|---|---|---|")
+    for name, card, tflops, arch, fields, compiled, measured, source in TIME_RUNS:
+        job = f.Job(width=fields["height"], num_generations=12, bf16=True, compile_blocks=compiled, **fields)
+        parts = f.iteration_time(FluxConfig.preset("flux-dev", **arch), comps, job, f.Layout(),
+                                 devices.device(card, matmul_tflops=tflops)).parts
+        planned = [parts[k] for k in ("rollout", "train", "decode_reward")]
+        err = lambda a, b: f"{a / b - 1:+.1%}"  # noqa: E731
+        print(f"| {name} | {sum(measured):.2f} ({' / '.join(f'{x:.2f}' for x in measured)}) | {sum(planned):.2f} "
+              f"({' / '.join(f'{x:.2f}' for x in planned)}) | {err(sum(planned), sum(measured))} | "
+              f"{err(planned[0], measured[0])} | {err(planned[1], measured[1])} |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layouts", nargs="+", default=None, help="default: every layout of this world size")
@@ -275,8 +337,11 @@ def main():
     p.add_argument("--json", default="plan_validation.json", help="measurements are appended here")
     p.add_argument("--report", action="store_true", help="print the table of --json with the predictions")
     p.add_argument("--probe-vae", action="store_true", help="measure the VAE decode constants instead")
+    p.add_argument("--time", action="store_true", help="the time model against the measured GPU iterations (TIME_RUNS)")
     args = p.parse_args()
-    if args.probe_vae:
+    if args.time:
+        time_report()
+    elif args.probe_vae:
         probe_vae()
     elif args.report:
         report(args.json)

@@ -61,7 +61,7 @@ def test_video_job_adds_only_the_video_to_the_shared_grpo_job():
     from mm_grpo.settings import check_minimums
     shared = {x.name for x in dataclasses.fields(f.GRPOJob)}
     assert {x.name for x in dataclasses.fields(wan.VideoJob)} - shared == {"frames", "height", "width", "cfg"}
-    assert {x.name for x in dataclasses.fields(f.Job)} - shared == {"height", "width", "bf16"}
+    assert {x.name for x in dataclasses.fields(f.Job)} - shared == {"height", "width", "bf16", "compile_blocks"}
     video, image = wan.VideoJob(), f.Job()
     assert (video.num_inference_steps, video.param_dtype, video.trained_steps) == (20, "bf16", 11)
     assert (image.num_inference_steps, image.param_dtype, image.trained_steps) == (16, "fp32", 9)

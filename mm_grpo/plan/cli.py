@@ -2,11 +2,14 @@
 
     mm-grpo plan --model flux-dev --devices 8 --device-memory 64 --height 1024 --width 1024
     python -m mm_grpo.plan --model flux-dev --devices 16 --lora-rank 64 --json
+    mm-grpo plan --model flux-dev --devices 1 --device h200 --height 512 --micro-batch-size 12 --lora-rank 64 \\
+        --compile-blocks
     mm-grpo plan --model wan2.1-14b --devices 8 16 32 64 --lora-rank 0 64   # video: wan_cli.py's flags
 
 Every layout whose TP x SP divides the heads and PP the blocks is listed, ranked: the ones that
 fit by predicted seconds per iteration, then the others by memory, each with why it does not
-fit. Formulas and their sources: mm_grpo/plan/formulas.py; validation: docs/scaling.md.
+fit. Formulas and their sources: mm_grpo/plan/formulas.py; the time model's calibration:
+mm_grpo/plan/calibration.py; validation: docs/scaling.md.
 """
 import argparse
 import sys
@@ -29,7 +32,7 @@ def build_parser():
                         "--model wan2.1-14b --help")
     flags.add_job_args(g, f.Job)
     g = p.add_argument_group("devices")
-    flags.add_device_args(g)
+    flags.add_device_args(g, calibrated=True)
     g.add_argument("--sp", type=int, default=None, help="only layouts with this SP (Ulysses)")
     flags.add_output_args(p.add_argument_group("output"))
     return p
@@ -71,6 +74,7 @@ def plan(args):
         if reason is None:
             f.measured_row(row, f.rank_memory(config, comps, job_l, lay),
                            f.iteration_time(config, comps, job_l, lay, device, args.mfu), device, "seconds_per_image")
+            row["time_path"] = "mfu" if args.mfu is not None else f.time_path(job_l, device)
         rows.append(row)
     # Fitting layouts by time per image (layouts of more DP ranks run more prompts per iteration
     # unless --prompts-per-iteration fixes it), then the others by memory.
@@ -86,9 +90,20 @@ def print_table(config, job, device, rows, args, out=None):
           f"recompute {'on' if job.recompute else 'off'}, distributed optimizer "
           f"{'on' if job.distributed_optimizer else 'off'}, {'bf16' if job.bf16 else 'fp32'} compute, "
           f"{job.param_dtype} parameters; {args.devices} x {device.name} of {device.memory_bytes / GB:.0f} GB, "
-          f"MFU {args.mfu}", file=out)
+          f"{_time_basis(job, device, args)}", file=out)
     flags.print_layout_table(rows, args, LAYOUT, f"{'decode':>6} {'s/iter':>8} {'s/image':>7} {'rollout':>8} "
                              f"{'train':>8} {'comm':>7}  note", _seconds, 65, out)
+
+
+def _time_basis(job, device, args) -> str:
+    """What the seconds assume: --mfu of the peak, or the calibrated path at the card's matmul rate."""
+    if args.mfu is not None:
+        return f"MFU {args.mfu} of {device.peak_bf16_flops / 1e12:.0f} TFLOP/s"
+    path = f.time_path(job, device)
+    note = " (compiled blocks run eager here)" if job.compile_blocks and path == "eager" else ""
+    measured = "measured" if device.matmul_bf16_flops else "assumed"
+    return (f"time calibrated on the {path} path{note} at {device.matmul_rate / 1e12:.0f} TFLOP/s bf16 matmul "
+            f"({measured}; mm_grpo/plan/calibration.py)")
 
 
 def _seconds(r) -> str:

@@ -31,16 +31,27 @@ def add_job_args(group, job_cls, several: bool = False):
                             "scores HPS v2)")
 
 
-def add_device_args(group, several: bool = False):
-    """--devices, the device profile, --mfu and the TP / PP filters."""
+def add_device_args(group, several: bool = False, calibrated: bool = False):
+    """--devices, the device profile, --mfu and the TP / PP filters; with `calibrated` (FLUX, whose
+    time model is calibrated on measured phases: formulas.efficiency) --mfu is an override (default
+    none) and --matmul-tflops gives the card's measured matmul rate."""
     group.add_argument("--devices", type=int, nargs=_nargs(several), required=True,
                        help="number of devices" + ("; several: a row each" if several else ""))
     group.add_argument("--device-memory", type=float, default=None, help="GB per device (default: the profile's)")
     group.add_argument("--device", default="atlas-800t-a2", choices=sorted(devices_mod.DEVICES),
-                       help="profile: peak bf16 FLOP/s, HBM, interconnect (mm_grpo/plan/devices.py)")
-    group.add_argument("--mfu", type=float, default=0.4,
-                       help="assumed fraction of peak FLOP/s reached (one H100, FLUX.1-dev LoRA 64 at 512 px: "
-                            "0.25 measured, docs/scaling.md)")
+                       help="profile: peak bf16 FLOP/s, measured matmul rate, HBM, interconnect "
+                            "(mm_grpo/plan/devices.py)")
+    if calibrated:
+        group.add_argument("--mfu", type=float, default=None,
+                           help="every phase at this fraction of the datasheet peak instead of the calibrated "
+                                "per-phase efficiencies (mm_grpo/plan/calibration.py, docs/scaling.md)")
+        group.add_argument("--matmul-tflops", type=float, default=None,
+                           help="the card's measured bf16 matmul rate, TFLOP/s (default: the profile's; "
+                                "bench/bench_grpo.matmul_throughput measures it)")
+    else:
+        group.add_argument("--mfu", type=float, default=0.4,
+                           help="assumed fraction of peak FLOP/s reached (one H100, FLUX.1-dev LoRA 64 at 512 px: "
+                                "0.25 measured, docs/scaling.md)")
     group.add_argument("--tp", type=int, default=None, help="only layouts with this TP (Wan2.1: 1 only)")
     group.add_argument("--pp", type=int, default=None, help="only layouts with this PP")
 
@@ -61,7 +72,7 @@ def jobs_of(job_cls, args) -> list:
     (and for a job setting below its minimum: settings.from_args)."""
     if not 0 < args.timestep_fraction <= 1:
         raise ValueError(f"--timestep-fraction must be in (0, 1], got {args.timestep_fraction}")
-    if not 0 < args.mfu <= 1:
+    if args.mfu is not None and not 0 < args.mfu <= 1:
         raise ValueError(f"--mfu must be in (0, 1], got {args.mfu}")
     for flag, value, least in (("--devices", args.devices, 1), ("--lora-rank", args.lora_rank, 0),
                                ("--prompts-per-iteration", args.prompts_per_iteration, 1)):
@@ -74,7 +85,8 @@ def jobs_of(job_cls, args) -> list:
 def setup(args, model_of, jobs_of, components):
     """(model config, jobs, device, frozen parts) of a family's plan from the parsed flags: `model_of`
     reads --model, `jobs_of` the job's flags, `components` --reward and --text-cache."""
-    return (model_of(args.model), jobs_of(args), devices_mod.device(args.device, args.device_memory),
+    return (model_of(args.model), jobs_of(args),
+            devices_mod.device(args.device, args.device_memory, getattr(args, "matmul_tflops", None)),
             components(args.reward, args.text_cache))
 
 
