@@ -156,7 +156,8 @@ class Modulation(nn.Module):
 
 
 class HeadRMSNorm(nn.Module):
-    """Per-head RMSNorm over head_dim (QK-norm); weights replicated.
+    """The weight of a per-head RMSNorm over head_dim (QK-norm), replicated; `qk_norm_rope` applies q's
+    and k's together.
 
     A TP rank sees only its heads, so its weight gradient is partial: the weight goes
     through `copy_to_tensor_model_parallel_region` (identity forward, all-reduce backward
@@ -171,9 +172,6 @@ class HeadRMSNorm(nn.Module):
 
     def tp_weight(self):
         return copy_to_tensor_model_parallel_region(self.weight, **self.tp_group_kwargs)
-
-    def forward(self, x):
-        return kernels.rms_norm(x, self.tp_weight(), self.eps)
 
 
 def qk_norm_rope(qk, q_norm: HeadRMSNorm, k_norm: HeadRMSNorm, rope):
