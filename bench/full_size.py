@@ -88,7 +88,7 @@ def write_frozen_parts(config, text_tokens: int, workdir: Path, tiny_vae: bool) 
 
 
 def bf16_velocity_error(chunks, config, paths, height, device) -> dict:
-    """Velocity of two samples under bf16 autocast against fp32 compute, same (fp32) weights."""
+    """Velocity of two samples in bf16 against fp32 compute, same (fp32) weights."""
     from mm_grpo.encoders.latents import num_image_tokens, token_grid
     from mm_grpo.encoders.text import TextEmbeddingCache
     from mm_grpo.runtime.chunks import conditioning, make_velocity_fn
@@ -110,10 +110,7 @@ def bf16_velocity_error(chunks, config, paths, height, device) -> dict:
         chunk.flux_config = config
     for t in trainable:
         t.requires_grad_(True)
-    diff = out[True] - out[False]
-    return dict(rel_l2=(diff.norm() / out[False].norm()).item(),
-                max_abs_over_max=(diff.abs().max() / out[False].abs().max()).item(),
-                finite=bool(torch.isfinite(out[True]).all()))
+    return velocity_error(out[True], out[False])
 
 
 def plan_device(platform) -> str:
@@ -671,8 +668,7 @@ class Anchors:
     def mm_grpo_compiled(self):
         model, self.mm_model = self.mm_model, None
         model.flux_config = self.config.replace(compile_blocks=True)  # what --compile-blocks sets
-        if hasattr(model, "compile_blocks"):  # compiled in place; before it, run_blocks compiled on first use
-            model.compile_blocks()
+        model.compile_blocks()
         self.result["compile"]["mm_grpo_compiled"] = dict(how="FluxTransformer with compile_blocks")
         self.row("mm_grpo_compiled", *self.mm_calls(model), warmup=self.args.anchor_warmup)  # the first compiles
 

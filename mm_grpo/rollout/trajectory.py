@@ -2,6 +2,7 @@
 everything GRPO training needs (latents at every step, per-step log-probs, SDE steps)."""
 import dataclasses
 import inspect
+import itertools
 import operator
 from typing import Callable, Optional, Sequence, Tuple, Union
 
@@ -203,14 +204,10 @@ def stochastic_steps(step_fn, host_sigmas: torch.Tensor, start: int = 0, end: Op
 def _step_mask(flags: list, device) -> torch.Tensor:
     """The [N] bool tensor of `flags` on `device`, filled by runs (no host-to-device copy)."""
     mask = torch.zeros(len(flags), dtype=torch.bool, device=device)
-    i = 0
-    while i < len(flags):
-        if flags[i]:
-            j = i
-            while j < len(flags) and flags[j]:
-                j += 1
-            mask[i:j] = True
-            i = j
-        else:
-            i += 1
+    start = 0
+    for flag, run in itertools.groupby(flags):
+        length = len(list(run))
+        if flag:
+            mask[start:start + length] = True
+        start += length
     return mask

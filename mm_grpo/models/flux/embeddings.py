@@ -3,7 +3,7 @@ import torch
 from diffusers.models.embeddings import get_1d_rotary_pos_embed, get_timestep_embedding
 from torch import nn
 
-from mm_grpo.models.flux.layers import linear
+from mm_grpo.models.flux.layers import dense
 
 TIME_CHANNELS = 256  # sinusoid width for timestep and guidance
 
@@ -18,11 +18,6 @@ class MLPEmbedder(nn.Module):
 
     def forward(self, x):
         return dense(self.linear_2, nn.functional.silu(dense(self.linear_1, x)))
-
-
-def dense(layer: nn.Linear, x):
-    """A replicated nn.Linear in x's dtype (`layers.linear`)."""
-    return linear(x, layer.weight, layer.bias)
 
 
 class TimeTextEmbedding(nn.Module):

@@ -45,6 +45,11 @@ def linear(x, weight, bias=None):
     return F.linear(x, weight.to(dtype), None if bias is None else bias.to(dtype))
 
 
+def dense(layer: nn.Linear, x):
+    """A replicated nn.Linear (embedders, the output projection) in x's dtype, as `linear`."""
+    return linear(x, layer.weight, layer.bias)
+
+
 def _single_rank(layer, x):
     """(output, bias to add later) of `layer` on one TP rank, as megatron-core's forward returns them."""
     bias = None if layer.skip_bias_add else layer.bias
