@@ -96,6 +96,24 @@ def test_resume_repeats_the_uninterrupted_run_exactly(parallel_1proc, configs, t
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
+def test_full_fine_tuning_in_bf16_with_recompute_stays_on_policy_and_resumes_exactly(parallel_1proc, configs,
+                                                                                   tmp_path):
+    """Full fine-tuning under --bf16 with --recompute-activations (on CPU, one TP rank): the weights stay
+    the optimizer's fp32 masters and are cast for each call, the first micro-batch's ratio is exactly 1,
+    and a run saved at 2 and resumed repeats the uninterrupted one bit for bit."""
+    extra = ["--bf16", "--recompute-activations"]
+    full, run_full = run_grpo(grpo_argv(*configs, iters=4, extra=extra))
+    assert {p.dtype for p in run_full.model.modules[0].parameters()} == {torch.float32}
+    assert all(h["ratio_first_mb_min"] == h["ratio_first_mb_max"] == 1.0 for h in full)
+    assert all(math.isfinite(v) for h in full for v in h.values() if isinstance(v, float))
+    first, _ = run_grpo(grpo_argv(*configs, iters=2, extra=extra + ["--save", str(tmp_path / "ckpt")]))
+    second, run_resumed = run_grpo(grpo_argv(*configs, iters=4, extra=extra + ["--load", str(tmp_path / "ckpt")]))
+    assert [h["reward/mean"] for h in first + second] == [h["reward/mean"] for h in full]
+    assert [h["loss"] for h in first + second] == [h["loss"] for h in full]
+    a, b = _weights(run_full), _weights(run_resumed)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
 # flow_grpo's cps sampler (Flow-GRPO's ordered steps) and GRPO-Guard (RatioNorm and the 1/|dt|
 # step weight; two updates, so the second one's ratio has moved).
 RESUMED_VARIANTS = {"cps": ["--sampler", "cps", "--timestep-selection", "ordered"],
