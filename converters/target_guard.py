@@ -11,7 +11,7 @@ gone) are removed first.
 import os
 import re
 
-from mm_grpo.checkpoint.paths import TRACKER_FILE
+from mm_grpo.checkpoint.paths import TRACKER_FILE, TRACKER_MAX_BYTES
 from mm_grpo.files.atomic import remove_stale_temps
 from mm_grpo.files.lock import LOCK_FILE
 
@@ -31,8 +31,8 @@ def _training_folder(path: str):
         return f"it is a training run folder ({LOCK_FILE})"
     tracker = os.path.join(path, TRACKER_FILE)
     if os.path.isfile(tracker):
-        with open(tracker) as f:
-            if f.read().strip().isdigit():
+        with open(tracker, "rb") as f:  # bytes: any content, text or not, is only compared here
+            if f.read(TRACKER_MAX_BYTES).strip().isdigit():
                 return f"its {TRACKER_FILE} points at a training iteration"
     return None
 

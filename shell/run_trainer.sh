@@ -1,9 +1,9 @@
 # Sourced by the launch scripts: `run_trainer LOG COMMAND...` runs torchrun (COMMAND) so that
 #   - LOG gets everything, appended (a resume into the same run folder keeps the earlier lines);
 #   - the console gets the same minus torchrun's failure report (its ChildFailedError traceback
-#     and elastic's shutdown warnings, kept in LOG);
+#     and elastic's shutdown warnings, kept in LOG) and minus the trainer's error lines;
 #   - it returns the trainer's exit status (2: bad configuration or file, 3: the run had to stop),
-#     not torchrun's 1, after printing the trainer's one-line error last.
+#     not torchrun's 1, after printing the trainer's one-line error last (once on the console).
 # The trainers append "status<TAB>line" to $MM_GRPO_ERROR_FILE (mm_grpo/training/entry.py).
 
 # Drops torchrun's report: a Python traceback whose exception line is ChildFailedError, and what
@@ -15,6 +15,7 @@ _TORCHRUN_REPORT_FILTER='
   held { print buf; held = 0 }
   skip { next }
   /torch\/distributed\/elastic\// { next }
+  /^mm-grpo: error: / { next }
   { print; fflush() }
   END { if (held) print buf }'
 

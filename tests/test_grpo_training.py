@@ -83,8 +83,8 @@ def test_resume_repeats_the_uninterrupted_run_exactly(parallel_1proc, configs, t
     ckpt_entries = lambda: sorted(p.name for p in (tmp_path / "ckpt").glob("*iter*"))  # noqa: E731
     assert ckpt_entries() == ["iter_0000002", "latest_checkpointed_iteration.txt"]  # the stale .tmp is gone
     assert [p.name for p in (tmp_path / "ckpt" / "iter_0000002").glob("mp_rank_*")] == ["mp_rank_00"]
-    # resumed past --train-iters: nothing trained, nothing saved
-    run_grpo(grpo_argv(*configs, iters=1, extra=["--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "ckpt")]))
+    # resumed at --train-iters: nothing trained, nothing saved (below it: refused, tests/test_resume_points.py)
+    run_grpo(grpo_argv(*configs, iters=2, extra=["--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "ckpt")]))
     assert ckpt_entries() == ["iter_0000002", "latest_checkpointed_iteration.txt"]
     second, run_resumed = run_grpo(grpo_argv(*configs, iters=4, extra=["--load", str(tmp_path / "ckpt"), *evaluate]))
     assert run_resumed.start_iteration == 2

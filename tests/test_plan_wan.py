@@ -58,7 +58,7 @@ def test_published_sizes():
 def test_video_job_adds_only_the_video_to_the_shared_grpo_job():
     """VideoJob is formulas.GRPOJob plus the video's own fields; N and the parameter dtype keep GRPOJob's
     flag and minimum with DanceGRPO's Wan recipe's defaults (FLUX's Job keeps GRPOJob's)."""
-    from mm_grpo.settings import check_minimums
+    from mm_grpo.settings import check_bounds
     shared = {x.name for x in dataclasses.fields(f.GRPOJob)}
     assert {x.name for x in dataclasses.fields(wan.VideoJob)} - shared == {"frames", "height", "width", "cfg"}
     assert {x.name for x in dataclasses.fields(f.Job)} - shared == {"height", "width", "bf16", "compile_blocks"}
@@ -66,7 +66,7 @@ def test_video_job_adds_only_the_video_to_the_shared_grpo_job():
     assert (video.num_inference_steps, video.param_dtype, video.trained_steps) == (20, "bf16", 11)
     assert (image.num_inference_steps, image.param_dtype, image.trained_steps) == (16, "fp32", 9)
     with pytest.raises(ValueError, match="--num-inference-steps must be >= 2, got 1"):
-        check_minimums(wan.VideoJob(num_inference_steps=1), wan.VideoJob)
+        check_bounds(wan.VideoJob(num_inference_steps=1), wan.VideoJob)
 
 
 @pytest.mark.parametrize("split", [[10, 10, 10, 10], [13, 13, 14], [7, 8, 8, 7], [40]])

@@ -6,20 +6,27 @@ import io
 import json
 import os
 import pickle
+import time
 
 import numpy as np
+import psutil
 import pytest
 import torch
 from PIL import Image
 
 from bench.bench_reward_server import shapes_batch
-from mm_grpo.rewards import build_reward
+from mm_grpo.rewards import build_reward, flow_grpo_servers
 from mm_grpo.rewards.remote import RemoteRefused
 from mm_grpo.rewards.vlm_judge import UNIFIED_REWARD_QUESTION, parse_score
 from mm_grpo.tools.reward_server import free_socket, serve_app
+from tests.hostile_http import json_reply, raw_server, reply_bytes
+
+TRICKLE_S = 0.25  # one byte every quarter second keeps every socket read alive
+BOUND_S = 3.0  # a `timeout: 1` try answers well within this, even on a loaded machine
+MiB = 1 << 20
 
 
-def _flow_grpo_stub(reply, seen):
+def _flow_grpo_stub(reply, seen, protocol=pickle.DEFAULT_PROTOCOL):
     """A flow_grpo reward server: POST / with a pickled batch, a pickled reply (it trusts its
     clients' pickles, as flow_grpo's servers do)."""
     from fastapi import FastAPI, Request, Response
@@ -29,7 +36,7 @@ def _flow_grpo_stub(reply, seen):
     async def score(request: Request):
         batch = pickle.loads(await request.body())
         seen.append(batch)
-        return Response(pickle.dumps(reply(batch)), media_type="application/octet-stream")
+        return Response(pickle.dumps(reply(batch), protocol=protocol), media_type="application/octet-stream")
 
     return app
 
@@ -85,17 +92,101 @@ def test_a_reply_holding_code_is_refused_and_not_run(tmp_path):
     images, prompts = shapes_batch(2)
     with serve_app(_flow_grpo_stub(lambda b: {"outputs": [Hostile(), 1.0]}, [])) as url:
         reward = build_reward({"name": "deqa_server", "url": url})
-        with pytest.raises(RemoteRefused, match=r"replied with no 'outputs' list \(UnpicklingError: the reply holds "
-                                                r"posix.system, which the client does not load\)"):
+        with pytest.raises(RemoteRefused) as refused:
             reward(images, prompts)
+    assert str(refused.value) == (f"reward 'deqa_server': {url} sent a reply that is not 2 scores: it holds "
+                                  "posix.system, which the client does not load")
     assert not marker.exists()
 
 
-def test_deqa_client_reads_outputs():
+@pytest.mark.parametrize("as_sent, protocol", [
+    (list, 4),  # the authors' server: Python floats (`sc.item()`), pickle's default protocol
+    (lambda v: np.asarray(v, dtype=np.float32), 4),  # a numpy array, as a numpy-based server returns it
+    (lambda v: np.asarray(v, dtype=">f8"), 5),  # big-endian, protocol 5 (Python 3.14's default)
+    (lambda v: [np.float64(x) for x in v], 5)], ids=["floats", "float32_array", "protocol5_array", "numpy_scalars"])
+def test_deqa_client_reads_outputs(as_sent, protocol):
     images, prompts = shapes_batch(3)
-    with serve_app(_flow_grpo_stub(lambda b: {"outputs": [_brightness(j) for j in b["images"]]}, [])) as url:
+    reply = lambda b: {"outputs": as_sent([_brightness(j) for j in b["images"]])}  # noqa: E731
+    with serve_app(_flow_grpo_stub(reply, [], protocol)) as url:
         scores = build_reward({"name": "deqa_server", "url": url})(images, prompts)
     assert (scores - images.mean((1, 2, 3))).abs().max() < 0.01
+
+
+def test_numpy_1x_replies_load_as_numpy_2x_ones():
+    """numpy 1.x names its reconstructors under numpy.core, 2.x under numpy._core (protocol 3
+    names them in text, so the one becomes the other by replacement)."""
+    reply = {"scores": np.array([0.25, 0.5], dtype=np.float32), "first": np.float64(0.75)}
+    as_2x = pickle.dumps(reply, protocol=3)
+    as_1x = as_2x.replace(b"numpy._core.", b"numpy.core.")
+    assert as_1x != as_2x
+    assert flow_grpo_servers.load_reply(as_1x) == flow_grpo_servers.load_reply(as_2x) == {
+        "scores": [0.25, 0.5], "first": 0.75}
+
+
+class _NumpyCall:
+    """Pickles as a call of numpy's `function` with `args`: what a hostile reply can write
+    without the test allocating anything."""
+
+    def __init__(self, function, args, state=None):
+        self.reduced = (function, args) if state is None else (function, args, state)
+
+    def __reduce__(self):
+        return self.reduced
+
+
+RECONSTRUCT = np.ndarray.__reduce__(np.zeros(1))[0]
+TERABYTES_9 = (9 << 40) // 8
+
+
+@pytest.mark.parametrize("outputs, problem", [
+    (_NumpyCall(np.ndarray, ((TERABYTES_9,), np.dtype("f8"))), "it calls numpy.ndarray, which the client does not do"),
+    (_NumpyCall(np.ndarray, ((20_000_000,), np.dtype("f8"))), "it calls numpy.ndarray, which the client does not do"),
+    (_NumpyCall(RECONSTRUCT, (np.ndarray, (0,), b"b"), (1, (TERABYTES_9,), np.dtype("f8"), False, b"")),
+     f"it holds a numpy array of {TERABYTES_9} elements, more than 65536"),
+    (_NumpyCall(RECONSTRUCT, (np.ndarray, (0,), b"b"), (1, (2,), np.dtype("f8"), False, b"\0" * 8)),
+     "it holds a numpy array of shape (2,) whose bytes do not fill it"),
+    (np.array(["1.0", "2.0"]), "it holds a numpy dtype 'U3', not a number or bool dtype"),
+    (np.array([1.0, None]), "it holds a numpy dtype 'O8', not a number or bool dtype"),
+    ("7777", "its 'outputs' is a str ('7777'), not a list of 2 numbers"),
+    ([0.5], "its 'outputs' holds 1 scores for 2 images"),
+    ([0.5, 0.25, 1.0], "its 'outputs' holds 3 scores for 2 images"),
+    ([True, 0.5], "its 'outputs'[0] is a bool (True), not a number"),
+    (np.array([0.5, 1.0]) > 0.6, "its 'outputs'[0] is a bool (False), not a number"),
+    ([0.5, "1"], "its 'outputs'[1] is a str ('1'), not a number"),
+    ([[0.5], [1.0]], "its 'outputs'[0] is a list ([0.5]), not a number"),
+    ([0.5, 10 ** 400], "its 'outputs'[1] is an integer of 1329 bits, past any float"),
+    ({1, 2}, "its 'outputs' is a set ({1, 2}), not a list of 2 numbers"),
+], ids=["ndarray_9TiB", "ndarray_2e7", "reconstruct_9TiB", "short_bytes", "str_array", "object_array", "str",
+        "too_few", "too_many", "bool", "bool_array", "str_element", "nested", "huge_int", "set"])
+def test_a_reply_that_is_not_scores_is_refused_in_one_line_before_anything_is_allocated(outputs, problem):
+    images, prompts = shapes_batch(2)
+    process = psutil.Process()
+    with serve_app(_flow_grpo_stub(lambda b: {"outputs": outputs}, [])) as url:
+        reward = build_reward({"name": "deqa_server", "url": url, "retries": 2})
+        before = process.memory_info().rss
+        with pytest.raises(RemoteRefused) as refused:
+            reward(images, prompts)
+        grown = process.memory_info().rss - before
+    assert str(refused.value) == f"reward 'deqa_server': {url} sent a reply that is not 2 scores: {problem}"
+    assert grown < 32 << 20
+
+
+def test_non_finite_scores_become_nan_as_in_mm_grpos_protocol():
+    images, prompts = shapes_batch(3)
+    with serve_app(_flow_grpo_stub(lambda b: {"outputs": [float("inf"), float("nan"), 2]}, [])) as url:
+        scores = build_reward({"name": "deqa_server", "url": url})(images, prompts)
+    assert scores[:2].isnan().all() and scores[2] == 2
+
+
+def test_loading_a_reply_within_the_size_cap_takes_bounded_memory():
+    """pickle's cheapest object per byte: an empty set (one opcode byte, ~216 bytes built), a reply
+    of nothing else up to the cap."""
+    bomb = b"\x80\x04(" + b"\x8f" * (flow_grpo_servers.MAX_REPLY_BYTES - 4) + b"l."
+    process = psutil.Process()
+    before = process.memory_info().rss
+    assert len(flow_grpo_servers.load_reply(bomb)) == flow_grpo_servers.MAX_REPLY_BYTES - 4
+    grown = process.memory_info().rss - before
+    assert grown < 400 * flow_grpo_servers.MAX_REPLY_BYTES  # ~230 bytes built per byte (measured), with a margin
 
 
 def test_an_unreachable_flow_grpo_server_is_one_line():
@@ -177,3 +268,136 @@ def test_vlm_judge_config_errors_are_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"has no \{prompt\}"):
         build_reward({"name": "vlm_judge", "url": "http://127.0.0.1:1/v1", "model": "m", "path": str(tmp_path / "q.txt")})
     assert "{prompt}" in UNIFIED_REWARD_QUESTION
+
+
+# --- flow_grpo's servers misbehaving on the wire ----------------------------------------------
+def _flow_grpo_raw(score_answer):
+    """flow_grpo's server as the wire sees it: a GET of / answers 405 (Flask's), a POST `score_answer`."""
+    def answer(server, conn):
+        request = server.read_request(conn)
+        if request is None:
+            return
+        if request[0] == "GET":
+            conn.sendall(reply_bytes(b"Method Not Allowed", "405 METHOD NOT ALLOWED", "text/html"))
+        else:
+            score_answer(server, conn)
+    return answer
+
+
+def _trickled_pickle(server, conn):
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+    while not server.stop.wait(TRICKLE_S):
+        conn.sendall(b"\x80")
+
+
+def _streamed_100_mb(server, conn):
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n\r\n")
+    block = b"\x8f" * MiB  # empty sets: the most memory a pickle's byte can ask for
+    for _ in range(100):
+        if server.stop.is_set():
+            return
+        conn.sendall(block)
+
+
+@pytest.mark.parametrize("behaviour, last", [
+    (_trickled_pickle, "no whole reply within 1 s"),
+    (_streamed_100_mb, f"the reply passed the {flow_grpo_servers.MAX_REPLY_BYTES} bytes this reward reads")],
+    ids=["trickled", "100_MB"])
+def test_a_flow_grpo_server_stalling_or_flooding_skips_the_iteration_in_one_line(behaviour, last, capsys):
+    images, prompts = shapes_batch(2)
+    process = psutil.Process()
+    with raw_server(_flow_grpo_raw(behaviour)) as server:
+        reward = build_reward({"name": "deqa_server", "url": server.url, "timeout": 1, "retries": 1})
+        before, start = process.memory_info().rss, time.monotonic()
+        scores = reward(images, prompts)
+        elapsed, grown = time.monotonic() - start, process.memory_info().rss - before
+        posts = server.count("POST")
+    assert torch.isnan(scores).all() and posts == 2 and elapsed < 2 * BOUND_S and grown < 32 * MiB
+    assert capsys.readouterr().err.splitlines() == [
+        f"mm-grpo: warning: reward 'deqa_server': {server.url} failed 2 time(s), timeout 1 s; last: {last}: "
+        "2 images scored NaN (the iteration is skipped)"]
+
+
+# --- GenEval's metadata file --------------------------------------------------------------------
+@pytest.mark.parametrize("lines, problem", [
+    (b'{"prompt": "a"}\n\n{"prompt": "b",\n', ":3 is not JSON (Expecting property name enclosed in double quotes "
+                                              "at column 16)"),
+    (b'{"prompt": "a"}\n{"prompt": "caf\xff"}\n', ":2 is not UTF-8 (byte 0xff at column 16)"),
+    (b'{"prompt": "a"}\n["a"]\n', ':2 has no "prompt" string'),
+    (b'{"tag": "counting"}\n', ':1 has no "prompt" string'),
+    (b"[" * 100000 + b"\n", ":1 is not JSON (nested too deeply)")],
+    ids=["bad_json", "not_utf8", "not_an_object", "no_prompt", "nested"])
+def test_a_bad_geneval_metadata_file_is_one_line_naming_file_and_line(tmp_path, lines, problem):
+    path = tmp_path / "evaluation_metadata.jsonl"
+    path.write_bytes(lines)
+    with pytest.raises(ValueError) as bad:  # before the server is asked anything
+        build_reward({"name": "geneval_server", "url": "http://127.0.0.1:1", "path": str(path)})
+    assert str(bad.value) == f"reward 'geneval_server': {path}{problem}"
+
+
+# --- the VLM judge: one batch, one deadline -----------------------------------------------------
+def _chat_raw(answer_prompt):
+    """An OpenAI-compatible endpoint as the wire sees it; `answer_prompt(server, conn, prompt)`
+    answers each chat request (the prompt is the text after "Text Caption: [")."""
+    def answer(server, conn):
+        request = server.read_request(conn)
+        if request is None:
+            return
+        method, path, body = request
+        if method == "GET":
+            conn.sendall(json_reply({"object": "list", "data": [{"id": "m"}]}))
+            return
+        text = json.loads(body)["messages"][0]["content"][1]["text"]
+        answer_prompt(server, conn, text.rsplit("Text Caption: [", 1)[1][:-1])
+    return answer
+
+
+def _completion(text):
+    return json_reply({"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]})
+
+
+def _prompts_sent(server):
+    with server.lock:
+        return sorted(json.loads(body)["messages"][0]["content"][1]["text"].rsplit("[", 1)[1][:-1]
+                      for method, _, body in server.requests if method == "POST")
+
+
+def test_one_image_request_that_hangs_cuts_the_judges_batch_at_the_timeout(capsys):
+    images, _ = shapes_batch(4)
+    prompts = ["p0", "p1", "p2", "p3"]
+
+    def answer(server, conn, prompt):
+        if prompt == "p2":
+            server.stop.wait(30)
+        conn.sendall(_completion("Final Score: 4"))
+
+    with raw_server(_chat_raw(answer)) as server:
+        judge = build_reward({"name": "vlm_judge", "url": server.url + "/v1", "model": "m", "timeout": 1,
+                              "retries": 0})
+        start = time.monotonic()
+        scores = judge(images, prompts)
+        elapsed = time.monotonic() - start
+    assert torch.isnan(scores).all() and elapsed < BOUND_S
+    assert capsys.readouterr().err.splitlines() == [
+        f"mm-grpo: warning: reward 'vlm_judge': {server.url}/v1/chat/completions failed 1 time(s), timeout 1 s; "
+        "last: no whole reply within 1 s: 4 images scored NaN (the iteration is skipped)"]
+
+
+def test_a_judge_request_broken_off_is_sent_again_alone_and_the_batch_scored():
+    images, _ = shapes_batch(4)
+    prompts = ["p0", "p1", "p2", "p3"]
+
+    def answer(server, conn, prompt):
+        if prompt == "p2" and _prompts_sent(server).count("p2") == 1:
+            while len(_prompts_sent(server)) < 4 and not server.stop.wait(0.01):
+                pass  # the other three are in: break this one off, mid-reply
+            conn.sendall(_completion("Final Score: 1")[:-5])
+            return
+        conn.sendall(_completion(f"Final Score: {int(prompt[1]) + 1}"))
+
+    with raw_server(_chat_raw(answer)) as server:
+        judge = build_reward({"name": "vlm_judge", "url": server.url + "/v1", "model": "m", "timeout": 5,
+                              "retries": 1})
+        scores = judge(images, prompts)
+        sent = _prompts_sent(server)
+    assert scores.tolist() == pytest.approx([0.2, 0.4, 0.6, 0.8]) and sent == ["p0", "p1", "p2", "p2", "p3"]

@@ -33,7 +33,8 @@ def test_registry_names():
     "cfg,error,match",
     [
         ({"name": "imagereward"}, ValueError, "unknown reward 'imagereward'; known: aesthetic, clip_score"),
-        ({"name": "hps", "pth": "x"}, ValueError, r"unknown reward config key\(s\) \['pth'\]"),
+        ({"name": "hps", "pth": "x"}, ValueError,
+         r'^reward config "hps": unknown key "pth" \(did you mean "path"\?\)$'),
         ({"path": "x"}, ValueError, "needs a 'name'"),
         ({"name": "hps"}, ValueError, "reward 'hps' needs `path`"),
         ({"name": "hps", "path": "/nonexistent/hps.pt"}, FileNotFoundError, "hps.pt is not an existing file"),

@@ -222,7 +222,11 @@ def test_a_flipped_byte_in_a_training_shard_stops_the_resume(parallel_1proc, con
     assert (save / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt.sha256").exists()
     _flip_a_byte(shard)
     status, err = _entry(grpo_argv(*configs, iters=2, extra=["--load", str(save)]), capsys)
-    assert status == 2 and err.count("\n") == 1 and err.startswith(f"mm-grpo: error: {shard} does not match its checksum")
+    assert status == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"mm-grpo: error: {save / 'iter_0000001'} is unreadable (mp_rank_00/model_optim_rng.pt "
+                          "does not match its checksum (model_optim_rng.pt.sha256: sha256 "), err
+    assert err.endswith(f"changed or corrupted after it was written); no other checkpoint in {save} is intact: "
+                        "restore it, or start afresh without --load\n"), err
 
 
 def test_file_errors_name_the_file(tmp_path):

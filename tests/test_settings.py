@@ -5,7 +5,7 @@ from typing import Optional, Tuple
 
 import pytest
 
-from mm_grpo.settings import add_setting_args, check_minimums, from_args, setting
+from mm_grpo.settings import accept_negative_numbers, add_setting_args, check_bounds, check_keys, from_args, setting
 from mm_grpo.training import arguments
 
 
@@ -34,9 +34,58 @@ def test_fields_become_flags_with_their_type_default_and_choices():
 
 
 def test_minimum_is_one_line_naming_the_flag_and_none_passes():
-    check_minimums(_parse(["--the-config", "c"]), Example)
+    check_bounds(_parse(["--the-config", "c"]), Example)
     with pytest.raises(ValueError, match=r"^--steps must be >= 1, got 0$"):
-        check_minimums(_parse(["--the-config", "c", "--steps", "0"]), Example)
+        check_bounds(_parse(["--the-config", "c", "--steps", "0"]), Example)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    lr: float = setting(1e-5, "a rate", above=0)
+    decay: float = setting(0.0, "a decay", minimum=0, below=1)
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--lr", "0"], "--lr must be > 0, got 0.0"),
+    (["--lr", "nan"], "--lr must be > 0, got nan"),  # NaN fails every bound
+    (["--decay", "1"], "--decay must be < 1, got 1.0"),
+    (["--decay", "-0.5"], "--decay must be >= 0, got -0.5"),
+])
+def test_strict_bounds_are_one_line_naming_the_flag(argv, line):
+    parser = accept_negative_numbers(add_setting_args(argparse.ArgumentParser(), Rates))
+    with pytest.raises(ValueError) as refused:
+        check_bounds(parser.parse_args(argv), Rates)
+    assert str(refused.value) == line
+    check_bounds(parser.parse_args(["--lr", "1e-9", "--decay", "0"]), Rates)
+    with pytest.raises(ValueError, match=r"^--lr must be > 0, got -1.0$"):
+        from_args(Rates, parser.parse_args(["--lr", "-1"]))
+
+
+@pytest.mark.parametrize("value, number", [("-1e-4", -1e-4), ("-1E+3", -1e3), ("-.5", -0.5), ("-2.", -2.0)])
+def test_a_negative_number_with_an_exponent_reaches_its_flag(value, number, capsys):
+    """argparse alone reads "-1e-4" as an option (its negative-number pattern has no exponent)."""
+    with pytest.raises(SystemExit):
+        add_setting_args(argparse.ArgumentParser(), Rates).parse_args(["--lr", "-1e-4"])
+    assert "expected one argument" in capsys.readouterr().err
+    parser = accept_negative_numbers(add_setting_args(argparse.ArgumentParser(), Rates))
+    assert parser.parse_args(["--lr", value]).lr == number
+    with pytest.raises(SystemExit):  # an option is still an option
+        parser.parse_args(["--lr", "-e4"])
+
+
+def test_an_unknown_key_is_one_line_with_the_nearest_known_one():
+    known = ("from_pretrained", "max_sequence_length")
+    check_keys({"from_pretrained": "x"}, known, "model.json text_encoder")
+    with pytest.raises(ValueError) as refused:
+        check_keys({"max_seq_length": 16}, known, "model.json text_encoder")
+    assert str(refused.value) == 'model.json text_encoder: unknown key "max_seq_length" (did you mean ' \
+                                 '"max_sequence_length"?)'
+    with pytest.raises(ValueError) as refused:
+        check_keys({"zzz": 1}, known, "model.json text_encoder")
+    assert str(refused.value) == 'model.json text_encoder: unknown key "zzz" (known: from_pretrained, ' \
+                                 'max_sequence_length)'
+    with pytest.raises(ValueError, match=r"^model.json ae must be a JSON object, got list$"):
+        check_keys(["from_pretrained"], known, "model.json ae")
 
 
 def test_a_bool_on_by_default_is_switched_off_by_its_no_flag():

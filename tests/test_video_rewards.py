@@ -194,7 +194,7 @@ def test_frames_config_errors():
     combined = CombinedReward.from_configs([{"name": "frames", "inner": {"name": "jpeg_compressibility"},
                                              "num_frames": 2}])
     assert set(combined.rewards) == {"frames_jpeg_compressibility"}
-    one_line_error("unknown reward config key", build_reward,
+    one_line_error('unknown key "frames" \\(did you mean "num_frames"\\?\\)', build_reward,
                    {"name": "frames", "inner": {"name": "jpeg_compressibility"}, "frames": 2})
     reward = frames(inner={"name": "jpeg_compressibility"}, num_frames=2)
     one_line_error("expects videos \\[B, F, 3, H, W\\], got an image batch", reward, torch.rand(2, 3, 8, 8), ["a", "b"])

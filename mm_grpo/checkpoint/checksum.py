@@ -12,8 +12,20 @@ import os
 
 SUFFIX = ".sha256"
 BLOCK = 16 << 20
+LINE_BYTES = 4096  # a checksum file's line: "<64 hex>  <name>"; what is read of it
 _verify = True
 _verified = set()  # (path, size, mtime_ns) checked in this process
+
+
+class CorruptFile(ValueError):
+    """A checkpoint file that is not what was written: truncated, changed since, or not a checkpoint.
+
+    `reason` reads after the file's name ("does not match its checksum..."), for a line that names
+    the iteration folder once (mm_grpo/checkpoint/resume.py); str() is the file's own one line."""
+
+    def __init__(self, path: str, reason: str, line: str):
+        super().__init__(line)
+        self.path, self.reason = path, reason
 
 
 def set_verify(enabled: bool):
@@ -39,18 +51,18 @@ def write_checksum(path: str):
 
 
 def verify(path: str):
-    """Raise ValueError naming `path` when it does not match its checksum file (if it has one)."""
+    """Raise CorruptFile naming `path` when it does not match its checksum file (if it has one)."""
     if not _verify or not os.path.isfile(path + SUFFIX):
         return
     st = os.stat(path)
     key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
     if key in _verified:
         return
-    with open(path + SUFFIX) as f:
-        expected = (f.read().split() or [""])[0]
+    with open(path + SUFFIX, "rb") as f:  # bytes: a damaged checksum file is a mismatch, not a decode error
+        expected = (f.read(LINE_BYTES).split() or [b""])[0].decode("ascii", "replace")
     actual = sha256_of(path)
     if actual != expected:
-        raise ValueError(f"{path} does not match its checksum ({os.path.basename(path)}{SUFFIX}: sha256 "
-                         f"{expected[:16]}..., the file: {actual[:16]}...): changed or corrupted after it was "
-                         "written; restore it, or read it anyway with --no-verify")
+        reason = (f"does not match its checksum ({os.path.basename(path)}{SUFFIX}: sha256 {expected[:16]}..., "
+                  f"the file: {actual[:16]}...): changed or corrupted after it was written")
+        raise CorruptFile(path, reason, f"{path} {reason}; restore it, or read it anyway with --no-verify")
     _verified.add(key)

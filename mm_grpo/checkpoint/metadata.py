@@ -124,7 +124,7 @@ def read_meta(folder: str, config: Optional[FluxConfig] = None,
         if (0, 0) not in found:
             raise FileNotFoundError(f"{folder} has no first shard (mp_rank_00 or mp_rank_00_000): incomplete checkpoint")
         stored = shard(0, 0).tree.get(META_KEY)
-        meta = _from_json(folder, stored) if stored is not None else _infer(folder, found, shard, config)
+        meta = _from_json(shard(0, 0).path, stored) if stored is not None else _infer(folder, found, shard, config)
         _check_shards(folder, meta, found)
         return meta
     finally:
@@ -132,11 +132,19 @@ def read_meta(folder: str, config: Optional[FluxConfig] = None,
             reader.close()
 
 
-def _from_json(folder, data) -> CheckpointMeta:
-    try:
-        return CheckpointMeta.from_json(data)
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"cannot read the checkpoint metadata in {folder}: {type(e).__name__}: {e}") from None
+def _from_json(path, data) -> CheckpointMeta:
+    """The metadata stored in the shard file `path`; one line naming the file when it is not ours."""
+    if not isinstance(data, dict):
+        detail = f"a {type(data).__name__}, not a dict"
+    else:
+        try:
+            return CheckpointMeta.from_json(data)
+        except KeyError as e:
+            detail = f"no {e} entry"
+        except (TypeError, ValueError, AttributeError) as e:
+            detail = f"{type(e).__name__}: {' '.join(str(e).split())}"
+    raise ValueError(f"{path}: its mm-grpo metadata ({META_KEY}) is unreadable ({detail}); the checkpoint cannot be "
+                     "read without it") from None
 
 
 def _check_shards(folder, meta: CheckpointMeta, found: dict):
@@ -151,12 +159,32 @@ def _check_shards(folder, meta: CheckpointMeta, found: dict):
 
 
 # --- a layout inferred from the shards -----------------------------------------------------
-def _infer(folder, found, shard, config: Optional[FluxConfig]) -> CheckpointMeta:
+def _grid(folder, found) -> Tuple[int, int]:
+    """(TP size, PP size) of the shard folders present, refusing a gap in their grid."""
     tp_size, pp_size = (1 + max(k[i] for k in found) for i in (0, 1))
     for tp, pp in ((t, p) for t in range(tp_size) for p in range(pp_size)):
         if (tp, pp) not in found:  # a gap in the grid: the names say which file is missing
             path = os.path.join(folder, shard_name(tp, pp, pp_size), SHARD_FILE)
             raise FileNotFoundError(f"checkpoint shard {path} is missing")
+    return tp_size, pp_size
+
+
+def check_shard_set(folder, found: dict, first: ShardReader):
+    """The shard folders `found` are those the layout names, read from the first shard's pickle only
+    (no weights, no architecture inferred): its stored metadata, else (written by Megatron or
+    MindSpeed-MM) a grid without gaps that agrees with Megatron's saved args. Raises one line."""
+    stored = first.tree.get(META_KEY)
+    if stored is not None:
+        _check_shards(folder, _from_json(first.path, stored), found)
+        return
+    tp_size, pp_size = _grid(folder, found)
+    chunks = [k for k, v in first.tree.items() if isinstance(k, str) and CHUNK_KEY.fullmatch(k) and isinstance(v, dict)]
+    vpp_size = 1 if "model" in chunks or not chunks else len(chunks)
+    _check_args(folder, first.tree.get("args"), tp_size, pp_size, vpp_size)
+
+
+def _infer(folder, found, shard, config: Optional[FluxConfig]) -> CheckpointMeta:
+    tp_size, pp_size = _grid(folder, found)
     args = shard(0, 0).tree.get("args")
     stages = [_model_chunks(folder, shard(0, pp)) for pp in range(pp_size)]
     _check_args(folder, args, tp_size, pp_size, len(stages[0]))

@@ -21,6 +21,8 @@ META_KEY = "mm_grpo_layout"
 EMA_KEY = "ema"  # a training shard's EMA of the policy (--ema-decay): one state dict per model chunk
 RELEASE = "release"
 CHECKPOINT_VERSION = 3.0  # what Megatron-LM writes into every shard
+TRACKER_MAX_BYTES = 64  # "release" or a number, and a newline; more is not a tracker file
+TRACKER_SHOWN_CHARS = 40  # of a tracker file's wrong text, in its error
 SHARD_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
 
 
@@ -58,14 +60,21 @@ def shard_folders(folder: str) -> dict:
 
 
 def read_tracker(root: str) -> str:
-    """The iteration folder name that `latest_checkpointed_iteration.txt` points at."""
+    """The iteration folder name that `latest_checkpointed_iteration.txt` points at; a file that
+    holds anything else is refused in one line naming it."""
     path = os.path.join(root, TRACKER_FILE)
-    with open(path) as f:
-        text = f.read().strip()
+    with open(path, "rb") as f:  # bytes: a damaged tracker is named, not a bare decode error
+        raw = f.read(TRACKER_MAX_BYTES + 1)
+    expected = f'it should hold "{RELEASE}" or an iteration number'
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not text: byte {e.start} is {raw[e.start:e.start + 1]!r}; {expected}") from None
     if text == RELEASE:
         return RELEASE
-    if not text.isdigit():
-        raise ValueError(f"{path} holds {text!r}: expected 'release' or an iteration number")
+    if len(raw) > TRACKER_MAX_BYTES or not (text.isascii() and text.isdigit()):
+        shown = text if len(text) <= TRACKER_SHOWN_CHARS else text[:TRACKER_SHOWN_CHARS] + "..."
+        raise ValueError(f"{path} holds {shown!r}; {expected}")
     return iteration_name(int(text))
 
 

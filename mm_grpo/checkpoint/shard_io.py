@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import errno
 import os
+import zipfile
 from typing import Iterator, Tuple
 
 import torch
@@ -89,9 +90,73 @@ def _stand_in(qualified_name: str):
     return type(name, (Opaque,), {"__module__": module, "__qualname__": name})
 
 
-def _load_meta(path: str):
+# Modules whose names torch's weights-only unpickler refuses outright, stand-in or not (the
+# operating system and the interpreter: os.system, posix.system, sys.modules...). No checkpoint
+# names them: a pickle that does was crafted to run something.
+_NEVER_IN_A_CHECKPOINT = tuple(getattr(torch._weights_only_unpickler, "_blocklisted_modules",
+                                       ("sys", "os", "posix", "nt")))
+ZIP_MAGIC = b"PK\x03\x04"  # a torch.save file is a zip archive (torch >= 1.6)
+
+
+def zip_damage(path: str):
+    """Why the torch.save zip `path` is cut short (its directory, at its end, is gone or points past
+    it), without reading its records; None when whole or not a zip (an old torch.save file)."""
+    with open(path, "rb") as f:
+        if f.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
+            return None
+    size = os.path.getsize(path)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            records = archive.infolist()
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError):
+        return f"no zip directory at its end ({size} bytes)"
+    for record in records:
+        if record.header_offset + record.compress_size > size:
+            return f"its record {record.filename} runs past its end ({size} bytes)"
+    return None
+
+
+def _torch_reason(error: Exception) -> str:
+    """The specific line of a torch.load error (its weights-only advice and links dropped)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    specific = [line for line in lines if not line.startswith(("Weights only load failed", "Check the documentation"))]
+    return f"{type(error).__name__}: {' '.join(specific or lines[:1])}"
+
+
+def _refuse_foreign(path: str, foreign):
+    for name in foreign:
+        if name.split(".", 1)[0] in _NEVER_IN_A_CHECKPOINT:
+            reason = (f"is refused: its pickle names {name}, which a checkpoint never holds (read with "
+                      "weights_only=True: nothing ran)")
+            raise checksum.CorruptFile(path, reason, f"{path}: refused: its pickle names {name}, which a checkpoint "
+                                                     "never holds (loading with weights_only=True); the file is not a "
+                                                     "checkpoint mm-grpo wrote")
+
+
+def _truncated(path: str, detail: str):
+    return checksum.CorruptFile(path, f"is truncated, or not a torch.save file: {detail}",
+                                f"cannot read checkpoint shard {path} (truncated, or not a torch.save file?): {detail}")
+
+
+def _foreign_globals(path: str) -> list:
+    """What the pickle of `path` names beyond torch's default allow-list, read once the file is known
+    whole; CorruptFile (one line) for a truncated file or a name no checkpoint holds."""
+    damage = zip_damage(path)
+    if damage:
+        raise _truncated(path, damage)
     try:
         foreign = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception as e:  # unpickling errors on a foreign file
+        raise _truncated(path, _torch_reason(e)) from None
+    _refuse_foreign(path, foreign)
+    return foreign
+
+
+def _load_meta(path: str):
+    """The tree of `path` with meta tensors (`_foreign_globals` checked first). The other classes it
+    names become `Opaque` stand-ins: never run."""
+    foreign = _foreign_globals(path)
+    try:
         with torch.serialization.safe_globals([(_stand_in(n), n) for n in foreign]):
             tree = torch.load(path, map_location="meta", weights_only=True)
             if any(getattr(t.untyped_storage(), "_checkpoint_offset", None) is None for _, t in tensor_leaves(tree)):
@@ -102,9 +167,8 @@ def _load_meta(path: str):
                 for (_, t), (_, f) in zip(tensor_leaves(tree), tensor_leaves(fake)):
                     t.untyped_storage()._checkpoint_offset = f.untyped_storage()._checkpoint_offset
         return tree
-    except Exception as e:  # zip errors on a truncated file, unpickling errors on a foreign one
-        raise ValueError(f"cannot read checkpoint shard {path} (truncated, or not a torch.save file?): "
-                         f"{type(e).__name__}: {e}") from None
+    except Exception as e:  # zip errors on a damaged file, unpickling errors on a foreign one
+        raise _truncated(path, _torch_reason(e)) from None
 
 
 @contextlib.contextmanager
@@ -195,13 +259,26 @@ def write_shard(path: str, tree):
     writer.close()
 
 
-class ShardReader:
-    """A shard file's tree with meta tensors (`.tree`); `read` fetches one tensor's bytes."""
+def load_file(path: str):
+    """A whole torch.save file of tensors and plain values (a distributed optimizer's shard), checked
+    as a shard is: whole, no pickle naming what a checkpoint never holds, its checksum."""
+    _foreign_globals(path)
+    checksum.verify(path)
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as e:
+        raise _truncated(path, _torch_reason(e)) from None
 
-    def __init__(self, path: str):
+
+class ShardReader:
+    """A shard file's tree with meta tensors (`.tree`); `read` fetches one tensor's bytes.
+    `verify=False`: its checksum is not checked here (the pickle alone was read so far)."""
+
+    def __init__(self, path: str, verify: bool = True):
         self.path = path
         self.tree = _load_meta(path)  # a truncated file is named as such first
-        checksum.verify(path)
+        if verify:
+            checksum.verify(path)
         self._file = open(path, "rb")
 
     def get(self, *key):
@@ -215,7 +292,7 @@ class ShardReader:
         data = torch.empty(storage.nbytes(), dtype=torch.uint8)
         self._file.seek(storage._checkpoint_offset)
         if self._file.readinto(memoryview(data.numpy())) != storage.nbytes():
-            raise ValueError(f"{self.path} ends inside a tensor: truncated file")
+            raise _truncated(self.path, "it ends inside a tensor")
         return data.untyped_storage()
 
     def read(self, meta: torch.Tensor, storages=None) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Nothing half-written: files and folders are built under a temporary name, then renamed."""
 import contextlib
+import errno
 import os
 import re
+import secrets
 import shutil
 import tempfile
 
@@ -10,6 +12,8 @@ from mm_grpo.files.lock import is_dead_local_owner, owner_tag
 # Our temporary folders: a training save's `.iter_0000100.tmp` / `.release.tmp` (one name for all
 # ranks of the job that holds the folder's lock) and `.<name>.tmp-<host>:<pid>-<8 random>` of
 # `atomic_dir` / `atomic_entries` (the owner tells whether it crashed).
+TEMP_NAME_BYTES = 4  # 8 hex characters: the random part STALE_TEMP expects
+TEMP_NAME_TRIES = 100
 STALE_TEMP = re.compile(r"\.(?:(?:iter_\d{7}|release)\.tmp|.+\.tmp-(?P<owner>[^:/\s]+:\d+)-[a-z0-9_]{8})")
 
 
@@ -29,6 +33,20 @@ def remove_stale_temps(folder: str, name: str = None) -> list:
             shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
             removed.append(entry)
     return removed
+
+
+def make_temp_dir(parent: str, prefix: str) -> str:
+    """A new folder `<parent>/<prefix><8 random characters>` whose mode follows the umask, as any
+    folder's does (tempfile.mkdtemp's is 0700 whatever the umask: a folder renamed into place
+    from it would stay private to its owner)."""
+    for _ in range(TEMP_NAME_TRIES):
+        path = os.path.join(parent, prefix + secrets.token_hex(TEMP_NAME_BYTES))
+        try:
+            os.mkdir(path)  # mode 0o777 & ~umask
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"no free temporary folder name after {TEMP_NAME_TRIES} tries", parent)
 
 
 def atomic_write_text(path: str, text: str):
@@ -60,7 +78,7 @@ def atomic_dir(target: str, overwrite: bool = False):
         raise FileExistsError(f"{target} already exists: remove it or choose another output folder")
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=temp_prefix(os.path.basename(target)), dir=parent)
+    tmp = make_temp_dir(parent, temp_prefix(os.path.basename(target)))
     try:
         yield tmp
     except BaseException:

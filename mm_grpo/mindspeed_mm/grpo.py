@@ -59,23 +59,22 @@ from megatron.training import get_args
 
 import mm_grpo.mindspeed_mm.registry  # noqa: F401  (`"model_id": "flux"` in MindSpeed-MM's predictor mapping)
 from mm_grpo.mindspeed_mm import lora, wan
+from mm_grpo.checkpoint import resume
 from mm_grpo.data import PromptStream
 from mm_grpo.files.jsonfile import load_json
 from mm_grpo.files.lock import RunFolderLocked
 from mm_grpo.grpo.schedule import GRPOSettings
 from mm_grpo.mindspeed_mm.adapter import GRPOMicroBatches, grpo_forward_step, rollout_before_each_step
 from mm_grpo.rewards.combined import CombinedReward
-from mm_grpo.settings import add_setting_args, check_minimums, from_args
+from mm_grpo.settings import accept_negative_numbers, add_setting_args, check_bounds, from_args
 from mm_grpo.training import components, run_guard
-from mm_grpo.training.arguments import GuardArgs, HeldOutArgs
+from mm_grpo.training.arguments import GuardArgs, HeldOutArgs, OptimizerArgs
 from mm_grpo.training.entry import run_entry, speaks_for_launch
 from mm_grpo.training.evaluation import compare, eval_settings, held_out_evaluator
 from mm_grpo.training.logging_utils import is_logging_rank
 
 OWN_TRAINER = "mm_grpo.training.train_grpo"
 MODEL_BLOCKS = ("predictor", "ae", "text_encoder", "reward")  # what --mm-model must hold
-# Megatron's tracker of the latest checkpoint in a --load folder (megatron/training/checkpointing.py).
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
 PP_REFUSAL = (
     "pipeline parallelism (--pipeline-model-parallel-size {pp}) is not supported for FLUX by "
     "mm_grpo.mindspeed_mm.grpo: it gives Megatron's pipeline schedule the stage tensors of MindSpeed-MM's wandit "
@@ -97,9 +96,10 @@ class LaunchRefused(ValueError):
 
 def add_grpo_args(parser):
     """MindSpeed-MM's --mm-data / --mm-model / --mm-tool and the GRPO group (GRPOSettings' flags,
-    --max-skipped-iterations, --eval-prompts; the batch sizes and the seed are Megatron's own)."""
+    --max-skipped-iterations, --eval-prompts; the batch sizes and the seed are Megatron's own), on
+    Megatron's parser reading "-1e-4" as a value (its bounds then refuse it in one line)."""
     from mindspeed_mm.configs.config import mm_extra_args_provider
-    group = mm_extra_args_provider(parser).add_argument_group("grpo")
+    group = mm_extra_args_provider(accept_negative_numbers(parser)).add_argument_group("grpo")
     for cls in OWN_SETTINGS:
         add_setting_args(group, cls)
     return parser
@@ -157,14 +157,22 @@ def resumed_iteration(args) -> int:
     for a release checkpoint; else --ckpt-step, or the --load folder's tracker file."""
     if not args.load or args.finetune:
         return 0
-    if getattr(args, "ckpt_step", None):
-        return args.ckpt_step
-    tracker = os.path.join(args.load, TRACKER_FILE)
-    if not os.path.isfile(tracker):  # nothing saved yet: Megatron starts from the model's own weights
-        return 0
-    with open(tracker) as f:
-        text = f.read().strip()
-    return int(text) if text.isdigit() else 0
+    # Megatron reads --ckpt-step 0 as not given; a tracker that holds anything but "release" or a
+    # number is refused naming the file; none: nothing saved yet (the model's own weights)
+    return resume.requested_iteration(args.load, getattr(args, "ckpt_step", None) or None) or 0
+
+
+def check_resume_point(args):
+    """The iteration Megatron will load is intact (mm_grpo/checkpoint/resume.py) and below
+    --train-iters (equal: one line saying that nothing is left to train)."""
+    if not args.load or args.finetune:
+        return
+    point = resume.resume_point(args.load, getattr(args, "ckpt_step", None) or None)
+    if point is None or args.train_iters is None:
+        return
+    notice = resume.check_train_iters(point, args.train_iters)
+    if notice and speaks_for_launch() and os.environ.get("RANK", "0") == "0":
+        print(notice, flush=True)
 
 
 def check_rollout_boundary(iteration: int, updates_per_rollout: int):
@@ -180,14 +188,16 @@ def _check_launch(argv) -> Launch:
     args = parse_launch_args(argv)
     if "--ema-decay" in flags and getattr(args, "optimizer_selection", None) != "fused_ema_adamw":
         raise ValueError(EMA_REFUSAL.format(flag="--ema-decay"))
-    check_minimums(args, *OWN_SETTINGS)
+    check_bounds(args, *OWN_SETTINGS, OptimizerArgs)  # Megatron's --lr, --weight-decay... as mm-grpo's trainer
     for flag, what in (("--mm-model", "model.json"), ("--mm-data", "data.json"),
                        ("--mm-tool", "MindSpeed-MM's tools.json, whose profiler settings its pretrain reads")):
         if not getattr(args, flag[2:].replace("-", "_")):
             raise ValueError(f"{flag} is required ({what})")
     cwd = os.getcwd()  # MindSpeed-MM reads relative paths from the working directory
-    model_cfg = components.resolve_paths(load_json(args.mm_model, "--mm-model"), cwd)
-    data_cfg = components.resolve_paths(load_json(args.mm_data, "--mm-data"), cwd)
+    model_cfg, data_cfg = load_json(args.mm_model, "--mm-model"), load_json(args.mm_data, "--mm-data")
+    components.check_model_config(model_cfg, args.mm_model)
+    components.check_data_config(data_cfg, args.mm_data)
+    model_cfg, data_cfg = components.resolve_paths(model_cfg, cwd), components.resolve_paths(data_cfg, cwd)
     for name in MODEL_BLOCKS:
         components.block(model_cfg, name, "--mm-model")
     if wan.is_wan(model_cfg):
@@ -210,6 +220,7 @@ def _check_launch(argv) -> Launch:
                              "saves inside a rollout cannot resume it")
     if settings.kl_beta > 0 and start > 0 and not model_cfg["predictor"].get("from_pretrained"):
         raise ValueError("--kl-beta > 0 needs the starting weights: predictor.from_pretrained in --mm-model")
+    check_resume_point(args)  # after the checks above, which read only the iteration's number
     prompts, eval_prompts = components.prompt_streams(data_cfg, "--mm-data", args.seed)
     eval_prompts = eval_prompts[:args.eval_prompts] if eval_prompts else None
     if eval_prompts:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from mm_grpo.settings import check_keys
+
 REWARDS = {}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,17 +48,19 @@ class RewardConfig:
     backbone: str | None = None
 
     @classmethod
-    def from_any(cls, cfg):
+    def from_any(cls, cfg, where: str = None):
+        """The config of a dict (a model.json `reward` entry): its keys are the fields of its reward's
+        config class (`config_class`, else this one), any other refused in one line naming `where`
+        (e.g. 'model.json reward "hps"'; default: 'reward config "<name>"')."""
         if isinstance(cfg, cls):
             return cfg
         if not isinstance(cfg, dict):
             raise ValueError(f"reward config must be a dict or RewardConfig, got {type(cfg).__name__}")
         own = getattr(REWARDS.get(cfg.get("name")), "config_class", cls)  # a reward with fields of its own
         if issubclass(own, cls) and own is not cls:
-            return own.from_any(cfg)
-        unknown = set(cfg) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown reward config key(s) {sorted(unknown)} in {cfg}")
+            return own.from_any(cfg, where)
+        named = f' "{cfg["name"]}"' if "name" in cfg else ""
+        check_keys(cfg, [f.name for f in dataclasses.fields(cls)], where or f"reward config{named}")
         if "name" not in cfg:
             raise ValueError(f"reward config needs a 'name': {cfg}")
         return cls(**cfg)

@@ -4,12 +4,14 @@ Each image is one chat request, as flow_grpo's `unifiedreward_score_sglang` send
 resized to 512 x 512 as a PNG data URL, then the question with the prompt filled in,
 temperature 0; the reply's "Final Score: <1-5>" divided by 5 is the reward, and a reply without
 one scores 0 (flow_grpo's rule; a warning line counts them). The requests of a batch run
-concurrently. `url` is the API base (http://host:port/v1), `model` the served model's name,
-`path` (optional) a text file holding another question with `{prompt}` where the prompt goes.
-What it trusts: only JSON comes back, and only the score pattern is read from it.
+MAX_CONCURRENT at a time, and one try of the batch (every request not answered yet) has
+`timeout` seconds in total: a request that fails ends the try at once (the others are cut),
+and the next try sends the unanswered ones again. `url` is the API base
+(http://host:port/v1), `model` the served model's name, `path` (optional) a text file holding
+another question with `{prompt}` where the prompt goes. What it trusts: only JSON comes back
+(at most remote.MAX_REPLY_BYTES per image), and only the score pattern is read from it.
 """
 import base64
-import concurrent.futures
 import os
 import re
 import sys
@@ -28,6 +30,7 @@ JUDGE_SIZE = (512, 512)
 SCORE_PATTERN = re.compile(r"Final Score:\s*([1-5](?:\.\d+)?)")
 MAX_SCORE = 5.0
 MAX_CONCURRENT = 32
+NOT_A_COMPLETION = object()
 # flow_grpo's UnifiedReward question (rewards.py `unifiedreward_score_sglang`)
 UNIFIED_REWARD_QUESTION = (
     "<image>\nYou are given a text caption and a generated image based on that caption. Your task is to evaluate "
@@ -46,6 +49,8 @@ def parse_score(text: str):
 
 @register_reward("vlm_judge")
 class VLMJudge(RemoteScored):
+    connections = MAX_CONCURRENT
+
     def __init__(self, cfg, device="cpu"):
         super().__init__(cfg, device)
         if not cfg.model:
@@ -65,18 +70,21 @@ class VLMJudge(RemoteScored):
             {"type": "image_url", "image_url": {"url": data_url}},
             {"type": "text", "text": self.question.replace("{prompt}", prompt)}]}]}
 
-    def ask(self, pixels, prompt):
-        reply = self.endpoint.request("POST", CHAT_PATH, json=self.message(pixels, prompt), headers=self.headers)
+    def read(self, reply):
+        """The score in a chat completion, None when it names none; RemoteRefused when it is not one."""
         try:
-            return parse_score(reply.json()["choices"][0]["message"]["content"])
+            content = reply.json()["choices"][0]["message"]["content"]
         except (ValueError, KeyError, IndexError, TypeError):
+            content = NOT_A_COMPLETION
+        if not (content is None or isinstance(content, str)):  # null: the model said nothing (scores 0)
             raise RemoteRefused(f"reward {self.name!r}: {self.endpoint.url}{CHAT_PATH} replied with no chat "
-                                f"completion: {reply.text[:120]}") from None
+                                f"completion: {reply.text[:120]!r}")
+        return parse_score(content)
 
     def request(self, images, prompts):
-        pixels = uint8_pixels(images)
-        with concurrent.futures.ThreadPoolExecutor(min(MAX_CONCURRENT, len(prompts))) as pool:
-            scores = list(pool.map(self.ask, pixels, prompts))
+        calls = [{"json": self.message(p, prompt), "headers": self.headers}
+                 for p, prompt in zip(uint8_pixels(images), prompts)]
+        scores = [self.read(reply) for reply in self.endpoint.request_each("POST", CHAT_PATH, calls)]
         unparsed = sum(s is None for s in scores)
         if unparsed:
             print(f"mm-grpo: warning: reward {self.name!r}: {unparsed} of {len(scores)} replies name no "

@@ -21,6 +21,7 @@ from mm_grpo.checkpoint.metadata import CheckpointMeta
 from mm_grpo.checkpoint.paths import is_megatron_checkpoint, iteration_dir
 from mm_grpo.models.flux.config import DIFFUSERS_FIELDS, FluxConfig
 from mm_grpo.models.flux.hf_weights import transformer_dir
+from mm_grpo.settings import check_keys
 
 _RUNTIME = ("recompute_blocks", "compile_blocks", "bf16")  # options of a run, not of the weights
 _STAGE = ("pre_process", "post_process", "global_layer_idx")  # PredictModel's, per pipeline stage
@@ -31,6 +32,7 @@ _SORA = ("text_len", "guidance_scale")
 MINDSPEED_MM_NAMES = {"num_heads": "num_attention_heads", "head_dim": "attention_head_dim"}
 KNOWN_KEYS = (*DIFFUSERS_FIELDS, *MINDSPEED_MM_NAMES, *_RUNTIME, *_STAGE, *_BLOCK, *_SORA)
 _DTYPES = {"fp32": False, "float32": False, "bf16": True, "bfloat16": True}  # -> bf16 compute
+BLOCK_NAME = "the flux predictor block"  # in errors, where the file is not known
 
 
 def _flat(layers):
@@ -69,10 +71,7 @@ def flux_config_from_block(block: dict, staged: bool = False) -> FluxConfig:
     """The FLUX architecture (and runtime options) of a `predictor` block: the hyperparameters
     inline (diffusers' config.json names), else the config.json of a diffusers or converted
     `from_pretrained` folder. `staged`: the block carries a pipeline stage's arguments."""
-    unknown = sorted(set(block) - set(KNOWN_KEYS))
-    if unknown:
-        raise ValueError(f"unknown key(s) in the flux predictor block: {', '.join(unknown)}; "
-                         f"known: {', '.join(KNOWN_KEYS)}")
+    check_keys(block, KNOWN_KEYS, BLOCK_NAME)
     runtime = {k: block[k] for k in _RUNTIME if k in block}
     if block.get("dtype") is not None:
         runtime["bf16"] = runtime.get("bf16", False) or _bf16(block["dtype"])

@@ -13,7 +13,8 @@ from mm_grpo.grpo.schedule import GRPOSettings
 from mm_grpo.models.flux import lora
 from mm_grpo.parallel.ulysses import ULYSSES_CP_ALGO
 from mm_grpo.seeding import DEFAULT_SEED
-from mm_grpo.settings import add_setting_args, check_minimums, setting
+from mm_grpo.settings import accept_negative_numbers, add_setting_args, check_bounds, setting
+from mm_grpo.training import components
 
 # Each class is one argument group; its fields are the flags (mm_grpo/settings.py). The trainers
 # read them from the parsed namespace by Megatron's names (args.lr, args.save, ...).
@@ -54,16 +55,16 @@ class TrainingArgs:
 @dataclasses.dataclass(frozen=True)
 class OptimizerArgs:
     """AdamW and its learning-rate schedule (Megatron's OptimizerConfig / OptimizerParamScheduler)."""
-    lr: float = setting(1e-5, "peak learning rate")
-    min_lr: float = setting(0.0, "learning rate at the end of the decay")
+    lr: float = setting(1e-5, "peak learning rate", above=0)
+    min_lr: float = setting(0.0, "learning rate at the end of the decay", minimum=0)
     lr_decay_style: str = setting("constant", "learning-rate decay", choices=["constant", "linear", "cosine"])
-    lr_warmup_iters: int = setting(0, "linear warm-up from 0, in iterations")
-    lr_decay_iters: Optional[int] = setting(None, "iterations of the decay (default: --train-iters)")
-    weight_decay: float = setting(1e-4, "AdamW's decoupled weight decay")
-    adam_beta1: float = setting(0.9, "AdamW's beta1")
-    adam_beta2: float = setting(0.999, "AdamW's beta2")
-    adam_eps: float = setting(1e-8, "AdamW's epsilon")
-    clip_grad: float = setting(1.0, "gradient-norm clipping (over all ranks)")
+    lr_warmup_iters: int = setting(0, "linear warm-up from 0, in iterations", minimum=0)
+    lr_decay_iters: Optional[int] = setting(None, "iterations of the decay (default: --train-iters)", minimum=1)
+    weight_decay: float = setting(1e-4, "AdamW's decoupled weight decay", minimum=0)
+    adam_beta1: float = setting(0.9, "AdamW's beta1", minimum=0, below=1)
+    adam_beta2: float = setting(0.999, "AdamW's beta2", minimum=0, below=1)
+    adam_eps: float = setting(1e-8, "AdamW's epsilon", above=0)
+    clip_grad: float = setting(1.0, "gradient-norm clipping (over all ranks)", minimum=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +73,9 @@ class CheckpointArgs:
     load: Optional[str] = setting(None, "a training checkpoint to resume, or a converted `release` checkpoint "
                                         "to start from")
     save_interval: Optional[int] = setting(None, "iterations between checkpoints", minimum=0)
+    ckpt_step: Optional[int] = setting(None, "the iteration of --load to resume (Megatron's checkpoint step; default: "
+                                             "the one its latest_checkpointed_iteration.txt names, which only the "
+                                             "next save moves)", minimum=0)
     no_load_optim: bool = setting(False, "resume the weights without the optimizer state")
     no_load_rng: bool = setting(False, "resume without the random generators' states")
     no_verify: bool = setting(False, "read checkpoint files without checking them against their sha256 files")
@@ -126,9 +130,9 @@ class GRPORunArgs:
     width: Optional[int] = setting(None, "image width (model.json default)")
     ema_decay: float = setting(0.0, "keep an EMA of the policy with at most this decay (0: none): it is nft's old "
                                     "policy (it samples the rollouts) and the policy the held-out evaluation "
-                                    "scores; checkpointed")
+                                    "scores; checkpointed", minimum=0, below=1)
     ema_decay_ramp: float = setting(0.001, "the EMA's decay after iteration i is min(ramp * i, --ema-decay) "
-                                           "(DiffusionNFT's schedule)")
+                                           "(DiffusionNFT's schedule)", above=0)
 
 
 # argument group -> the classes whose flags it holds, in the order of Megatron's parser
@@ -165,8 +169,8 @@ def _groups(own_groups) -> dict:
 
 def build_parser(own_groups=GRPO_GROUP):
     """The Megatron-style arguments and the trainer's own groups (title -> settings classes)."""
-    p = argparse.ArgumentParser(description="mm-grpo training (Megatron-style arguments)",
-                                allow_abbrev=False)
+    p = accept_negative_numbers(argparse.ArgumentParser(description="mm-grpo training (Megatron-style arguments)",
+                                                        allow_abbrev=False))
     for title, classes in _groups(own_groups).items():
         group = p.add_argument_group(title)
         for cls in classes:
@@ -174,10 +178,14 @@ def build_parser(own_groups=GRPO_GROUP):
     return p
 
 
-def parse_args(argv=None, own_groups=GRPO_GROUP):
+def parse_args(argv=None, own_groups=GRPO_GROUP, dataset_keys=components.GRPO_DATASET_KEYS):
+    """The trainer's arguments with --mm-model / --mm-data read and their keys checked (`dataset_keys`:
+    what the trainer reads of data.json's dataset_param), every refusal one line before any work."""
     args = build_parser(own_groups).parse_args(argv)
-    check_minimums(args, *(cls for classes in _groups(own_groups).values() for cls in classes))
+    check_bounds(args, *(cls for classes in _groups(own_groups).values() for cls in classes))
     _check_lora_args(args)
     args.mm_model_config = load_json(args.mm_model, "--mm-model")
     args.mm_data_config = load_json(args.mm_data, "--mm-data")
+    components.check_model_config(args.mm_model_config, args.mm_model)
+    components.check_data_config(args.mm_data_config, args.mm_data, dataset_keys)
     return args

@@ -8,6 +8,10 @@
 
 The data-parallel (and context-parallel) rank 0 of every TP x PP position writes its shard;
 all shards go to a temporary folder that is renamed once every rank is done.
+
+Resuming: `check_resume` picks the iteration (--ckpt-step, else the tracker's) and checks that it
+is intact before anything heavy (mm_grpo/checkpoint/resume.py); a file found damaged while loading
+(its checksum) stops every rank with the same one line, naming the newest intact iteration.
 """
 import os
 import random
@@ -22,7 +26,8 @@ from mm_grpo.checkpoint.loader import load_megatron_checkpoint
 from mm_grpo.checkpoint.metadata import CheckpointMeta
 from mm_grpo.checkpoint.paths import RELEASE, iteration_dir, model_key
 from mm_grpo.checkpoint.reader import MegatronCheckpoint
-from mm_grpo.checkpoint.shard_io import save_file
+from mm_grpo.checkpoint.resume import check_train_iters, resume_point, unreadable
+from mm_grpo.checkpoint.shard_io import load_file, save_file
 from mm_grpo.checkpoint.writer import CheckpointWriter, clear_stale
 from mm_grpo.models.flux.lora import adapter_state_dict, has_adapters
 from mm_grpo.training.optim import unwrap
@@ -92,12 +97,49 @@ def _write_shards(writer, model_chunks, optimizer, scheduler, extra):
         writer.write_shard(tp_rank, pp_rank, tree)
 
 
+def check_resume(args):
+    """Before anything heavy, alike on every process: the iteration `--load` (`--ckpt-step`) resumes is
+    intact and before --train-iters (ResumeRefused, one line, otherwise); `args.load` is pinned to its
+    folder, so that the run loads the iteration checked. A run whose checkpoint is at --train-iters
+    says so in one line (it trains nothing)."""
+    point = resume_point(args.load, args.ckpt_step)
+    if point is None:
+        return
+    notice = check_train_iters(point, args.train_iters)
+    if notice and os.environ.get("RANK", "0") == "0":  # before the process group: torchrun's rank
+        print(notice, flush=True)
+    args.load = point.folder
+
+
+def _agreed_damage(why):
+    """Collective: the first rank's description of a damaged file (None when no rank found one)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return why
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, why)
+    return next((w for w in found if w is not None), None)
+
+
 def load_checkpoint(path, model_chunks, optimizer=None, scheduler=None, load_optim=True, load_rng=True):
     """Load weights (any TP/PP) and, for an `iter_*` checkpoint of this layout, the training state.
+    Collective: a file of the checkpoint found damaged on any rank (its checksum) stops every rank
+    with the same ResumeRefused line.
 
-    Returns (iteration, extra) where extra holds e.g. `consumed_prompts`; a `release`
-    checkpoint (from the converter) gives iteration 0 and no extra state."""
+    Returns (iteration, extra) where extra holds e.g. `consumed_prompts`; a `release` checkpoint
+    (from the converter) gives iteration 0 and no extra state."""
     folder = iteration_dir(path)
+    why, loaded = None, None
+    try:
+        loaded = _load(folder, model_chunks, optimizer, scheduler, load_optim, load_rng)
+    except checksum.CorruptFile as e:
+        why = f"{os.path.relpath(e.path, folder)} {e.reason}"
+    why = _agreed_damage(why)
+    if why is not None:
+        raise unreadable(folder, why)
+    return loaded
+
+
+def _load(folder, model_chunks, optimizer, scheduler, load_optim, load_rng):
     chunks = unwrap(model_chunks)
     meta = (load_adapter_checkpoint if has_adapters(chunks[0]) else load_megatron_checkpoint)(chunks, folder)
     if os.path.basename(folder) == RELEASE:
@@ -126,8 +168,7 @@ def load_checkpoint(path, model_chunks, optimizer=None, scheduler=None, load_opt
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{path} missing: the checkpoint was saved with another data-parallel "
                                         "size or without --use-distributed-optimizer (use --no-load-optim)")
-            checksum.verify(path)
-            optimizer.optimizer.load_state_dict(torch.load(path, weights_only=True))
+            optimizer.optimizer.load_state_dict(load_file(path))
         scheduler.load_state_dict(state["opt_param_scheduler"])
     if load_rng:
         _set_rng_state(state["rng_state"])

@@ -13,17 +13,36 @@ data.json:
 String values may use $VARIABLES from the environment. Relative paths written in the JSON are
 taken from the JSON file's folder; a path that starts with a variable ("$PIPELINE_DIR/vae") is
 taken from the working directory, as the shell that set the variable would.
+
+Every key of a block mm-grpo reads is declared here, beside its reader (the predictor's in
+runtime/predictor_block.py, a reward's by its config class); `check_model_config` and
+`check_data_config` refuse any other in one line naming the nearest known key, before any work.
 """
 import os
 
 from mm_grpo.data import PromptStream, read_prompts
 from mm_grpo.encoders.latents import token_grid
 from mm_grpo.grpo.schedule import GRPOSchedule
+from mm_grpo.rewards.base import RewardConfig
 from mm_grpo.rewards.combined import CombinedReward
 from mm_grpo.runtime.denoiser import FluxDenoiser
+from mm_grpo.runtime.predictor_block import KNOWN_KEYS as FLUX_PREDICTOR_KEYS
+from mm_grpo.settings import check_keys
 
 MODEL_FLAG = "--mm-model"  # the flag that names model.json, in errors
 DEFAULT_IMAGE_SIZE = (64, 64)  # when neither the flags nor model.json's image_size name one: the tiny demo's
+
+# The keys of each block mm-grpo reads. `model_id` and `comment` are read by nobody: MindSpeed-MM's
+# block names (the shipped configs carry them) and notes for the reader.
+MODEL_KEYS = ("comment", "ae", "text_encoder", "predictor", "reward", "image_size",
+              "num_frames")  # num_frames: Wan's video length (mindspeed_mm/wan.py)
+TEXT_ENCODER_KEYS = ("model_id", "from_pretrained", "max_sequence_length", "embeddings_cache")
+AE_KEYS = ("model_id", "from_pretrained")
+FLUX_MODEL_IDS = (None, "flux")  # predictor blocks of FLUX (mm-grpo's trainers read no model_id)
+DATA_KEYS = ("comment", "dataset_param", "dataloader_param")
+DATALOADER_KEYS = ("shuffle", "seed")
+EVAL_KEYS = ("eval_prompt_file", "eval_samples_per_prompt", "eval_seed")  # evaluation.eval_settings
+GRPO_DATASET_KEYS = ("prompt_file", *EVAL_KEYS)
 
 PATH_KEYS = ("from_pretrained", "path")
 PATH_SUFFIXES = ("_file", "_path", "_cache")
@@ -62,6 +81,33 @@ def block(config, name, source):
     if name not in config:
         raise ValueError(f"{source} has no {name!r} block")
     return config[name]
+
+
+def check_model_config(model_cfg, source=MODEL_FLAG):
+    """One line for a key of model.json (`source`: its file) that nothing reads: at the top level, in
+    text_encoder, ae, a FLUX predictor or a reward entry (a wandit predictor is MindSpeed-MM's to read)."""
+    check_keys(model_cfg, MODEL_KEYS, source)
+    for name, known in (("text_encoder", TEXT_ENCODER_KEYS), ("ae", AE_KEYS)):
+        if name in model_cfg:
+            check_keys(model_cfg[name], known, f"{source} {name}")
+    predictor = model_cfg.get("predictor")
+    if isinstance(predictor, dict) and predictor.get("model_id") in FLUX_MODEL_IDS:
+        check_keys(predictor, FLUX_PREDICTOR_KEYS, f"{source} predictor")
+    rewards = model_cfg.get("reward", [])
+    if not isinstance(rewards, list):
+        raise ValueError(f"{source} reward must be a list of reward entries, got {type(rewards).__name__}")
+    for i, entry in enumerate(rewards):
+        named = f' "{entry["name"]}"' if isinstance(entry, dict) and "name" in entry else f"[{i}]"
+        RewardConfig.from_any(entry, where=f"{source} reward{named}")
+
+
+def check_data_config(data_cfg, source, dataset_keys=GRPO_DATASET_KEYS):
+    """One line for a key of data.json (`source`: its file) that nothing reads: at the top level, in
+    dataloader_param, or in dataset_param (`dataset_keys`: what the trainer reads there)."""
+    check_keys(data_cfg, DATA_KEYS, source)
+    for name, known in (("dataset_param", dataset_keys), ("dataloader_param", DATALOADER_KEYS)):
+        if name in data_cfg:
+            check_keys(data_cfg[name], known, f"{source} {name}")
 
 
 def prompt_streams(data_config, source, seed):

@@ -19,6 +19,7 @@ from typing import Dict, List, Optional
 import torch
 from megatron.core import parallel_state
 
+from mm_grpo.checkpoint.resume import ResumeRefused
 from mm_grpo.data.image_captions import ImageCaptionDataset
 from mm_grpo.encoders.latents import LATENT_FACTOR, VAE_SCALE_FACTOR, pack_latents, token_grid
 from mm_grpo.encoders.vae import encode_latents
@@ -30,6 +31,7 @@ from mm_grpo.runtime.denoiser import FluxDenoiser
 from mm_grpo.seeding import DEFAULT_SEED, Stream, seeded_generator
 from mm_grpo.settings import from_args, setting
 from mm_grpo.training import arguments, components
+from mm_grpo.training.checkpointing import check_resume
 from mm_grpo.training.entry import run_entry, train_and_report
 from mm_grpo.training.loop import optimizer_step
 from mm_grpo.training.trainable import ConfiguredRun, build_trainable, parallel_config
@@ -62,10 +64,12 @@ class FlowRunSettings:
 
 
 FLOW_GROUP = {"flow matching": (FlowMatchingSettings, FlowSettings, FlowRunSettings)}
+# what FlowRun reads of data.json's dataset_param (any other key is refused: components.check_data_config)
+FLOW_DATASET_KEYS = ("data_folder", "image_column", "caption_column", "cache_features", *components.EVAL_KEYS)
 
 
 def parse_args(argv=None):
-    return arguments.parse_args(argv, own_groups=FLOW_GROUP)
+    return arguments.parse_args(argv, own_groups=FLOW_GROUP, dataset_keys=FLOW_DATASET_KEYS)
 
 
 class FeatureEncoder:
@@ -113,6 +117,7 @@ class FlowRun(ConfiguredRun):
 
     def __init__(self, args):
         super().__init__(args)
+        check_resume(args)  # the iteration to resume: intact, before --train-iters
         height, width = self.model_cfg.get("image_size", components.DEFAULT_IMAGE_SIZE)
         if height != width and not args.height:
             raise ValueError(f"image_size {height}x{width}: flow-matching training reads square images "
@@ -222,5 +227,11 @@ def main(argv=None):
     train_and_report(FlowRun(parse_args(argv)), report)
 
 
+def cli():
+    """`python -m`: main() on the command line; a refusal that is the same on every process (the
+    iteration to resume) is printed once per launch."""
+    run_entry(main, agreed=(ResumeRefused,))
+
+
 if __name__ == "__main__":
-    run_entry(main)
+    cli()

@@ -17,6 +17,7 @@ import torch
 from megatron.core import parallel_state
 
 from mm_grpo.checkpoint.paths import EMA_KEY
+from mm_grpo.checkpoint.resume import ResumeRefused
 from mm_grpo.grpo.schedule import GRPOSchedule, GRPOSettings
 from mm_grpo.models.flux import lora
 from mm_grpo.parallel import initialize_parallel
@@ -24,6 +25,7 @@ from mm_grpo.runtime.chunks import build_model_chunks, load_pretrained
 from mm_grpo.settings import from_args
 from mm_grpo.training import components, evaluation
 from mm_grpo.training.arguments import parse_args
+from mm_grpo.training.checkpointing import check_resume
 from mm_grpo.training.ema import PolicyEMA
 from mm_grpo.training.entry import run_entry, train_and_report
 from mm_grpo.training.logging_utils import is_logging_rank
@@ -53,6 +55,7 @@ class GRPORun(ConfiguredRun):
     def __init__(self, args):
         # Cheap checks first: configs, prompt files, rewards (weights paths), batch sizes.
         super().__init__(args)
+        check_resume(args)  # the iteration to resume: intact, before --train-iters
         self.prompts, self.eval_prompts = components.prompt_streams(self.data_cfg, "--mm-data", args.seed)
         if self.eval_prompts:
             evaluation.eval_settings(self.data_cfg["dataset_param"])
@@ -166,5 +169,11 @@ def main(argv=None):
     train_and_report(run, report)
 
 
+def cli():
+    """`python -m`: main() on the command line; a refusal that is the same on every process (the
+    iteration to resume) is printed once per launch."""
+    run_entry(main, agreed=(ResumeRefused,))
+
+
 if __name__ == "__main__":
-    run_entry(main)
+    cli()
