@@ -20,7 +20,9 @@ import torch
 
 from mm_grpo import get_platform
 from mm_grpo.encoders.latents import prepare_latent_image_ids
-from mm_grpo.grpo.schedule import GRPOSettings, draw_noise, draw_trained_steps
+from mm_grpo.grpo.draws import draw_noise, draw_trained_steps
+from mm_grpo.runtime.denoiser import FluxGuidance
+from mm_grpo.grpo.hyperparameters import GRPOSettings
 from mm_grpo.rollout import sigma_schedule
 
 
@@ -75,7 +77,7 @@ class DanceGRPOReference:
         with self._autocast():
             return self.transformer(
                 hidden_states=z, encoder_hidden_states=embeds, timestep=torch.full((z.shape[0],), sigma, device=z.device),
-                guidance=torch.full((z.shape[0],), self.s.guidance_scale, device=z.device),
+                guidance=torch.full((z.shape[0],), FluxGuidance().guidance_scale, device=z.device),
                 txt_ids=txt_ids, pooled_projections=pooled, img_ids=self.img_ids, return_dict=False)[0]
 
     @torch.no_grad()
@@ -93,7 +95,7 @@ class DanceGRPOReference:
     def iteration(self, iteration: int, prompts):
         """prompts: this iteration's prompts; returns timings and what the equal-work check needs."""
         s, sync = self.s, get_platform().synchronize
-        samples = range(s.global_batch_size)
+        samples = range(s.samples_per_iteration)
         t_rollout = t_reward = 0.0
         x0, noise = draw_noise(s, iteration, samples, (self.grid[0] * self.grid[1], self.transformer.config.in_channels))
         latents, log_probs, rewards, conds = [], [], [], []

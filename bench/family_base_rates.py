@@ -53,7 +53,7 @@ def main(argv=None):
     initialize_parallel(ParallelConfig())
     argv = ["--mm-model", os.path.join(EXAMPLES, "model_shapes.json"),
             "--mm-data", os.path.join(EXAMPLES, "data_shapes.json"), "--train-iters", "0", "--no-progress-bar",
-            "--global-batch-size", "8", "--num-generations", "8", "--micro-batch-size", "8",
+            "--prompts-per-iteration", "1", "--num-generations", "8", "--micro-batch-size", "8",
             "--no-load-optim", "--no-load-rng"] + (["--load", a.load] if a.load else [])
     run = GRPORun(parse_args(argv))
     s = run.schedule

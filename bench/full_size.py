@@ -222,13 +222,15 @@ def build(args, platform, config, paths, result) -> Run:
 def run_size(run: Run, size: int, micro_batch: int, iteration: int, warmup: bool, profile: bool) -> int:
     """Iterations at one size and micro-batch (a warm-up first if `warmup`), summarised into
     result["sizes"]; returns the next iteration number."""
+    from mm_grpo.runtime.denoiser import FluxGuidance
     from mm_grpo.training import components as trainer_components
     from mm_grpo.training.train_grpo import grpo_iteration
     args, device = run.args, run.platform.device
     preset = Preset(f"{args.model}-{size}", None, size, size, args.text_tokens, args.num_generations, 1,
                     args.num_inference_steps, micro_batch, bf16=run.config.bf16, recompute=run.config.recompute_blocks)
     reward = trainer_components.grpo_reward(run.blocks, PROMPTS, device)
-    schedule = trainer_components.grpo_schedule(preset.settings(), run.chunks, run.blocks, reward, device, preset.dtype)
+    schedule = trainer_components.grpo_schedule(preset.settings(), run.chunks, run.blocks, reward, device, preset.dtype,
+                                                FluxGuidance())
     step = functools.partial(grpo_iteration, schedule, run.policy, run.optimizer, run.scheduler)
     runs, key = [], size_key(size, micro_batch)
     for _ in range(args.iters + warmup):

@@ -1,7 +1,7 @@
 """How much signal is in a GRPO policy gradient? Cosines between gradients of independent rollouts.
 
     python -m bench.grad_snr --batches 16 -- --mm-model M.json --mm-data D.json \
-        --global-batch-size 64 --num-generations 8 --micro-batch-size 8 [other trainer args]
+        --prompts-per-iteration 8 --num-generations 8 --micro-batch-size 8 [other trainer args]
 
 Draws `--batches` independent rollouts of the same prompts (one iteration's worth from the
 prompt file) at the same weights (one process, no optimizer step) and compares their policy
@@ -98,9 +98,9 @@ def main(argv=None):
         grads.append(torch.cat([p.main_grad.flatten().float() for c in run.model.chunks for p in c.parameters()
                                 if p.requires_grad]))
         rewards.append(stats["reward/mean"])
-    out = report(torch.stack(grads), s.s.global_batch_size)
+    out = report(torch.stack(grads), s.s.samples_per_iteration)
     out["reward_mean"] = statistics.mean(rewards)
-    print(f"[grad_snr] {a.batches} batches x {s.s.global_batch_size} samples, {n_prompts} prompts, "
+    print(f"[grad_snr] {a.batches} batches x {s.s.samples_per_iteration} samples, {n_prompts} prompts, "
           f"reward {out['reward_mean']:.3f}; cosine of two batches {out['pair_cos_mean']:+.3f} +- "
           f"{out['pair_cos_sd']:.3f}")
     for name in ("raw", "adam"):

@@ -49,8 +49,8 @@ class Preset:
         return torch.bfloat16 if self.bf16 else torch.float32
 
     def settings(self, **overrides):
-        from mm_grpo.grpo.schedule import GRPOSettings
-        kwargs = dict(global_batch_size=self.batch, micro_batch_size=self.micro_batch_size,
+        from mm_grpo.grpo.hyperparameters import GRPOSettings
+        kwargs = dict(prompts_per_iteration=self.prompts_per_iteration, micro_batch_size=self.micro_batch_size,
                       num_generations=self.num_generations, num_inference_steps=self.num_inference_steps,
                       height=self.height, width=self.width, timestep_fraction=self.timestep_fraction, seed=DEFAULT_SEED)
         kwargs.update(overrides)
@@ -144,6 +144,7 @@ def build_mm_grpo(preset: Preset, paths: dict, device, schedule_cls=None, lora_c
     from mm_grpo.runtime.chunks import load_pretrained
     from mm_grpo.parallel import ParallelConfig, initialize_parallel
     from mm_grpo.runtime.chunks import build_model_chunks
+    from mm_grpo.runtime.denoiser import FluxGuidance
     from mm_grpo.training import components as trainer_components
     from mm_grpo.training.train_grpo import grpo_iteration
     from mm_grpo.training.trainable import attach_lora, optimize
@@ -158,7 +159,7 @@ def build_mm_grpo(preset: Preset, paths: dict, device, schedule_cls=None, lora_c
     blocks = model_json(preset, paths, reward)
     schedule = trainer_components.grpo_schedule(
         preset.settings(**setting_overrides), chunks, blocks, trainer_components.grpo_reward(blocks, PROMPTS, device),
-        device, preset.dtype, schedule_cls=schedule_cls or GRPOSchedule)
+        device, preset.dtype, FluxGuidance(), schedule_cls=schedule_cls or GRPOSchedule)
     return schedule, functools.partial(grpo_iteration, schedule, policy, optimizer, scheduler)
 
 

@@ -84,7 +84,9 @@ class Setup:
     def __init__(self, args):
         import mm_grpo
         from bench.grpo_setup import optimizer_args
-        from mm_grpo.grpo.schedule import GRPOSchedule, GRPOSettings
+        from mm_grpo.grpo.hyperparameters import GRPOSettings
+        from mm_grpo.grpo.schedule import GRPOSchedule
+        from mm_grpo.runtime.denoiser import FluxDenoiser
         from mm_grpo.models.flux import FluxConfig, lora
         from mm_grpo.parallel import ParallelConfig, initialize_parallel
         from mm_grpo.runtime.chunks import build_model_chunks
@@ -105,7 +107,7 @@ class Setup:
         if args.lora_rank:
             attach_lora(self.chunks, lora.LoRAConfig(r=args.lora_rank, alpha=args.lora_rank), DEFAULT_SEED, bf16)
         self.policy, self.optimizer, self.scheduler = optimize(self.chunks, optimizer_args(1e-5))
-        settings = GRPOSettings(global_batch_size=self.batch, micro_batch_size=self.micro_batch,
+        settings = GRPOSettings(prompts_per_iteration=1, micro_batch_size=self.micro_batch,
                                 num_generations=self.batch, num_inference_steps=self.steps, sampler=args.sampler,
                                 height=self.size, width=self.size, seed=DEFAULT_SEED)
         g = torch.Generator().manual_seed(0)
@@ -113,7 +115,8 @@ class Setup:
         text = (torch.randn(1, self.text_tokens, cfg.joint_attention_dim, generator=g),
                 torch.randn(1, cfg.pooled_projection_dim, generator=g), torch.zeros(self.text_tokens, 3))
         self.schedule = GRPOSchedule(settings, self.chunks, conditioner=lambda prompts: text, decoder=None,
-                                     reward=None, device=device)
+                                     reward=None, denoiser=FluxDenoiser.of(self.chunks, self.size, self.size),
+                                     device=device)
         self.prompts = ["a prompt"] * self.batch
         self.cond = self.schedule.conditioning(self.prompts)
         self.samples = self.schedule.local_samples()
@@ -146,7 +149,7 @@ class Setup:
 
     # --- (b) training ---------------------------------------------------------------------------
     def micro_batches(self, traj, iteration=0):
-        from mm_grpo.grpo.schedule import draw_trained_steps
+        from mm_grpo.grpo.draws import draw_trained_steps
         adv = torch.linspace(-1, 1, self.batch, device=self.device)
         steps = draw_trained_steps(self.schedule.s, iteration, self.samples)
         return self.schedule.micro_batches(traj, self.cond, adv, steps, list(range(self.batch)))

@@ -113,7 +113,7 @@ def write_configs(folder, paths, preset):
 def trainer_argv(model_json, data_json, preset, layout, mbs, iters, steps):
     tp, pp, sp, extra = LAYOUTS[layout]
     return ["--mm-model", model_json, "--mm-data", data_json, "--train-iters", str(iters),
-            "--global-batch-size", str(preset.batch), "--num-generations", str(preset.num_generations),
+            "--prompts-per-iteration", str(preset.prompts_per_iteration), "--num-generations", str(preset.num_generations),
             "--micro-batch-size", str(mbs), "--num-inference-steps", str(steps),
             "--timestep-fraction", str(preset.timestep_fraction), "--lr", str(preset.lr),
             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),

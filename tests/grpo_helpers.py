@@ -64,7 +64,7 @@ def write_configs(folder, pipeline_dir, reward=None, prompts=TRAIN_PROMPTS):
 
 def grpo_argv(model_json, data_json, iters=2, extra=()):
     return ["--mm-model", model_json, "--mm-data", data_json, "--train-iters", str(iters),
-            "--global-batch-size", "8", "--num-generations", "4", "--micro-batch-size", "2",
+            "--prompts-per-iteration", "2", "--num-generations", "4", "--micro-batch-size", "2",
             "--num-inference-steps", "6", "--lr", "1e-3", "--no-progress-bar", "--log-interval", "1000",
             "--seed", "3", *extra]
 

@@ -271,8 +271,8 @@ def test_ratio_norm_keeps_the_first_ratio_at_one_and_moves_later_ones(parallel_1
 def test_ratio_norm_refuses_cps_whose_log_ratio_is_not_gaussian():
     """RatioNorm's bias |d|^2 / (2 std^2) is that of a Gaussian log-ratio; cps scores with Flow-GRPO's
     constant-free squared error (tests/test_samplers.py)."""
-    from mm_grpo.grpo.schedule import GRPOSettings
-    settings = GRPOSettings(global_batch_size=8, num_generations=4, ratio_norm=True, sampler="cps")
+    from mm_grpo.grpo.hyperparameters import GRPOSettings
+    settings = GRPOSettings(prompts_per_iteration=2, num_generations=4, ratio_norm=True, sampler="cps")
     assert_one_line_error(lambda: settings.check(dp_size=1), "--ratio-norm removes the bias of a Gaussian step's "
                           "log-ratio; cps's log-prob is Flow-GRPO's constant-free squared error: use --sampler")
     dataclasses.replace(settings, sampler="flow_sde").check(dp_size=1)
@@ -342,8 +342,8 @@ def test_unknown_sampler_and_indivisible_batch(parallel_1proc, configs, capsys):
     with pytest.raises(SystemExit):
         _error(grpo_argv(*configs, extra=["--sampler", "euler_ancestral"]))
     assert "invalid choice: 'euler_ancestral'" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="global batch size 8 must be a multiple of --num-generations 3"):
-        _error(grpo_argv(*configs, extra=["--num-generations", "3"]))
+    with pytest.raises(ValueError, match=r"the 6 samples per iteration \(2 prompts x 3 generations\) must split"):
+        _error(grpo_argv(*configs, extra=["--num-generations", "3", "--micro-batch-size", "4"]))
     with pytest.raises(ValueError, match="micro-batch size 3"):
         _error(grpo_argv(*configs, extra=["--micro-batch-size", "3"]))
     with pytest.raises(ValueError, match="branch needs --init-same-noise"):
@@ -378,9 +378,12 @@ def test_bf16_with_tensor_parallelism_is_refused_on_cpu_before_any_work(parallel
         _error(grpo_argv(*configs, extra=["--bf16", "--tensor-model-parallel-size", "2"]))
 
 
-def test_cfg_scale_is_refused_for_flux_before_any_work(parallel_1proc, configs):
-    with pytest.raises(ValueError, match=r"^--cfg-scale 4.5: FLUX.1 is guidance-distilled .* \(--guidance-scale\)"):
-        _error(grpo_argv(*configs, extra=["--cfg-scale", "4.5"]))
+def test_a_global_batch_size_other_than_the_derived_one_is_refused_before_any_work(parallel_1proc, configs):
+    """--global-batch-size means Megatron's (rows per optimizer step); the batch is given in prompts."""
+    with pytest.raises(ValueError, match=r"^--global-batch-size 8 counts \(sample, trained step\) rows per optimizer "
+                                         r"step, which --prompts-per-iteration 2 x --num-generations 4 x 3 trained "
+                                         r"steps / --updates-per-rollout 1 make 24"):
+        _error(grpo_argv(*configs, extra=["--global-batch-size", "8"]))
 
 
 def test_held_out_evaluation_and_figures(parallel_1proc, tiny_pipeline_dir, tmp_path):

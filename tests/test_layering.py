@@ -106,3 +106,16 @@ def test_the_check_sees_imports():
     assert "mm_grpo/encoders" in found["mm_grpo/rewards"]  # a function-level import only (compositional.py: the VAE of its detector)
     # an upward import would be seen: training is above grpo
     assert floors()["mm_grpo/training"] > floors()["mm_grpo/grpo"]
+
+
+# What belongs to a model family: its model, its run-time glue, encoders, planner, MindSpeed-MM glue
+# and tools. The GRPO core reaches a family only through the `Denoiser` it is handed.
+FAMILY_UNITS = ("mm_grpo/models", "mm_grpo/runtime", "mm_grpo/encoders", "mm_grpo/plan", "mm_grpo/mindspeed_mm",
+                "mm_grpo/tools")
+CORE_UNITS = ("mm_grpo/grpo", "mm_grpo/rollout", "mm_grpo/flow")
+
+
+@pytest.mark.parametrize("unit", CORE_UNITS)
+def test_the_grpo_core_imports_no_model_family(unit):
+    family = {target: where for target, where in unit_imports().get(unit, {}).items() if target in FAMILY_UNITS}
+    assert not family, f"{unit} imports model-family code: {family}"

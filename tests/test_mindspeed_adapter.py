@@ -19,7 +19,7 @@ def test_pretrain_style_step_equals_the_schedule(parallel_1proc, tiny_pipeline_d
     _, run = run_grpo(grpo_argv(*configs, iters=0))
     m, s = run.model, run.schedule
     data_iterator = GRPOMicroBatches(s, run.prompts)
-    num_microbatches = s.s.global_batch_size // s.s.micro_batch_size * s.s.trained_steps_per_sample
+    num_microbatches = s.s.samples_per_iteration // s.s.micro_batch_size * s.s.trained_steps_per_sample
     for chunk in m.chunks:
         chunk.zero_grad_buffer()
     m.optimizer.zero_grad()

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from mm_grpo.files.lock import LOCK_FILE, RunFolderLocked
+from mm_grpo.grpo.batch import GRPOBatch
 from mm_grpo.models.flux import FluxConfig
 from mm_grpo.training.run_guard import TrainingStopped, UnusableSaveFolder
 from tests.fixtures import parallel_1proc, peft_without_mindspeed_te_dummies  # noqa: F401
@@ -44,12 +45,11 @@ LAUNCH_TIMEOUT_S = 900
 SCRIPT = os.path.join(REPO, "examples", "flux", "mindspeed_mm", "grpo_flux.sh")
 TRACKER = "latest_checkpointed_iteration.txt"
 # The trainer's run (tests/grpo_helpers.grpo_argv): 8 generations of 2 prompts, micro-batch 2,
-# 6 steps of which DanceGRPO trains int(5 x 0.6) = 3: Megatron counts 8 x 3 = 24 rows per step.
-TRAINED_STEPS = 3
+# 6 steps of which DanceGRPO trains int(5 x 0.6) = 3: the entry derives Megatron's 8 x 3 = 24 rows per step.
 KL_BETA = "0.1"
 # grpo_flux.sh's variables for that run (everything else as shipped).
 SCRIPT_VARIABLES = {"NPUS_PER_NODE": "1", "DIST_BACKEND": "gloo", "MBS": "2", "G": "4", "STEPS": "6",
-                    "K": str(TRAINED_STEPS), "GBS": str(8 * TRAINED_STEPS), "TRAIN_ITERS": "2", "LR": "1e-3",
+                    "PROMPTS": "2", "TRAIN_ITERS": "2", "LR": "1e-3",
                     "SEED": "3", "KL_BETA": KL_BETA, "SAVE_INTERVAL": "1", "EVAL_INTERVAL": "2"}
 # The same run as Megatron arguments, for the launches that test the guards.
 MEGATRON_ARGV = [
@@ -57,13 +57,13 @@ MEGATRON_ARGV = [
     # Megatron's model-size arguments, required by its parser (the FLUX predictor reads its block)
     "--num-layers", "6", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "1",
     "--max-position-embeddings", "1",
-    "--micro-batch-size", "2", "--global-batch-size", str(8 * TRAINED_STEPS), "--train-iters", "2", "--seed", "3",
+    "--micro-batch-size", "2", "--train-iters", "2", "--seed", "3",
     "--lr", "1e-3", "--min-lr", "0", "--lr-decay-style", "constant", "--lr-warmup-iters", "0",
     "--weight-decay", "1e-4", "--adam-beta1", "0.9", "--adam-beta2", "0.999", "--adam-eps", "1e-8",
     "--clip-grad", "1.0", "--distributed-backend", "gloo", "--no-gradient-accumulation-fusion",
     "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0", "--save-interval", "1",
     "--ckpt-format", "torch",
-    "--num-generations", "4", "--num-inference-steps", "6"]
+    "--prompts-per-iteration", "2", "--num-generations", "4", "--num-inference-steps", "6"]
 
 
 def write_mindspeed_configs(folder, pipeline_dir, from_pretrained=None):
@@ -401,7 +401,9 @@ def _without_block(configs, tmp_path, name):
 REFUSALS = {
     "pipeline": (["--pipeline-model-parallel-size", "2"], r"^pipeline parallelism .* is not supported for FLUX .* "
                                                            r"stage tensors of MindSpeed-MM's wandit only"),
-    "batch": (["--global-batch-size", "25"], r"--global-batch-size 25 counts .* multiple of the 3 trained steps"),
+    "batch": (["--global-batch-size", "25"], r"^--global-batch-size 25 counts \(sample, trained step\) rows per "
+                                             r"optimizer step, which --prompts-per-iteration 2 x --num-generations 4 "
+                                             r"x 3 trained steps / --updates-per-rollout 1 make 24"),
     "load_inside_rollout": (lambda t: ["--updates-per-rollout", "2", "--load", _tracker(t / "ckpt", 3)],
                             r"--load: iteration 3 is inside a rollout \(--updates-per-rollout 2\)"),
     "save_inside_rollout": (["--updates-per-rollout", "2"], r"--save-interval 1 must be a multiple of "
@@ -459,23 +461,43 @@ def test_a_launch_that_passes_the_checks_reads_what_pretrain_needs(configs):
     from mm_grpo.mindspeed_mm import grpo as mindspeed_grpo
     launch = mindspeed_grpo.check_launch(entry_argv(configs, "--eval-prompts", "1"))
     s = launch.settings
-    assert (s.global_batch_size, s.trained_steps_per_sample, s.num_generations, s.height) == (8, 3, 4, 32)
+    assert (s.samples_per_iteration, s.trained_steps_per_sample, s.num_generations, s.height) == (8, 3, 4, 32)
     assert launch.eval_prompts == ["a white circle"]  # --eval-prompts of eval_prompt_file
     assert list(launch.reward.rewards) == ["jpeg_compressibility"]
     assert launch.args.max_skipped_iterations == 10  # the trainers' default
 
 
-def test_megatron_global_batch_counts_trained_rows():
-    """--global-batch-size is rows (generation, trained step) per optimizer step: it gives the rollout's
-    generations, and a count that is no multiple of the trained steps is refused in one line."""
+def test_both_entries_read_one_launch_as_the_same_batch(configs):
+    """The same GRPO flags give mm-grpo's trainer and the MindSpeed-MM entry one batch (P, G, K, U),
+    and Megatron's --global-batch-size of the launch is its rows per optimizer step."""
+    from mm_grpo.grpo.hyperparameters import GRPOSettings
+    from mm_grpo.mindspeed_mm import grpo as mindspeed_grpo
+    from mm_grpo.settings import from_args
+    from mm_grpo.training.arguments import build_parser
+    grpo_flags = ["--prompts-per-iteration", "2", "--num-generations", "4", "--num-inference-steps", "6",
+                  "--updates-per-rollout", "2", "--micro-batch-size", "2"]
+    launch = mindspeed_grpo.check_launch(entry_argv(configs, *grpo_flags, "--global-batch-size", "12",
+                                                    "--save-interval", "2"))
+    own = from_args(GRPOSettings, build_parser().parse_args(["--mm-model", "m", "--mm-data", "d", "--train-iters",
+                                                             "2", *grpo_flags]))
+    assert launch.settings.batch == own.batch == GRPOBatch(prompts=2, generations=4, trained_steps=3, updates=2)
+    assert launch.args.global_batch_size == own.batch.rows_per_update == 12
+
+
+def test_megatron_global_batch_is_derived_from_the_prompts_and_checked_when_given():
+    """Megatron's --global-batch-size is rows (sample, trained step) per optimizer step: P x G x K / U,
+    derived from --prompts-per-iteration; a given one that differs is refused in one line."""
     require_testbed(needs_megatron_training=True)
     from mm_grpo.mindspeed_mm.grpo import grpo_settings
-    args = argparse.Namespace(num_generations=4, num_inference_steps=6, global_batch_size=24, micro_batch_size=2,
-                              updates_per_rollout=2, seed=3)
+    args = argparse.Namespace(prompts_per_iteration=4, num_generations=4, num_inference_steps=6,
+                              global_batch_size=None, micro_batch_size=2, updates_per_rollout=2, seed=3)
     settings = grpo_settings(args, {"image_size": [32, 32]}, dp_size=1)
-    assert (settings.global_batch_size, settings.trained_steps_per_sample, settings.height) == (16, 3, 32)
+    assert (settings.samples_per_iteration, settings.trained_steps_per_sample, settings.height) == (16, 3, 32)
+    assert settings.batch.rows_per_update == 24  # 16 samples x 3 steps / 2 updates
+    args.global_batch_size = 24
+    assert grpo_settings(args, {"image_size": [32, 32]}, dp_size=1) == settings
     args.global_batch_size = 25
-    with pytest.raises(ValueError, match="--global-batch-size 25 counts .* multiple of the 3 trained steps"):
+    with pytest.raises(ValueError, match=r"^--global-batch-size 25 counts .* make 24: drop it"):
         grpo_settings(args, {"image_size": [32, 32]}, dp_size=1)
 
 

@@ -15,7 +15,8 @@ import torch
 
 from mm_grpo.flow import noisy_latents
 from mm_grpo.grpo import nft_loss, optimality_probability
-from mm_grpo.grpo.schedule import GRPOSettings, NFTObjective, PPOObjective
+from mm_grpo.grpo.hyperparameters import GRPOSettings
+from mm_grpo.grpo.objectives import NFTObjective, PPOObjective
 from mm_grpo.rollout import get_sampler, sigma_schedule
 from tests.utils import assert_one_line_error
 
@@ -57,8 +58,8 @@ def test_nft_equals_diffusion_nft_over_a_shifted_schedule(beta, kl_beta):
     """Loss and gradient of NFTObjective at every step's sigma (1 included) against the transcription;
     advantages beyond the clip included."""
     clip = 5.0
-    settings = GRPOSettings(global_batch_size=B, num_generations=2, policy_loss="nft", sampler="ode", nft_beta=beta,
-                            adv_clip_max=clip, kl_beta=kl_beta)
+    settings = GRPOSettings(prompts_per_iteration=B // 2, num_generations=2, policy_loss="nft", sampler="ode",
+                            nft_beta=beta, adv_clip_max=clip, kl_beta=kl_beta)
     sigmas = sigma_schedule(STEPS, SHIFT)
     objective = NFTObjective(settings, get_sampler("ode"), sigmas)
     x0, noise, v_old, ref_v, dv = _draw(3, B, S, C, n=5)
@@ -144,7 +145,7 @@ def test_grpo_guard_equals_flow_grpo_over_a_shifted_schedule(clip_range):
     x_t+1 and its log-prob and mean, a moved policy is trained on it with --ratio-norm
     --step-reweight through PPOObjective; loss and gradient against the transcription."""
     a = 0.7
-    settings = GRPOSettings(global_batch_size=B, num_generations=2, sampler="flow_sde", noise_level=a,
+    settings = GRPOSettings(prompts_per_iteration=B // 2, num_generations=2, sampler="flow_sde", noise_level=a,
                             clip_range=clip_range, ratio_norm=True, step_reweight=True, num_inference_steps=STEPS)
     sigmas = sigma_schedule(STEPS, SHIFT)
     sampler = get_sampler("flow_sde", a)

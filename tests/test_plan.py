@@ -30,7 +30,7 @@ def test_prediction_within_10_percent_of_a_tiny_trainer_run(parallel_1proc, tiny
     from mm_grpo.models.flux.lora import RECOMMENDED_TARGETS
     from mm_grpo.training import train_grpo
     model_json, data_json = write_configs(tmp_path, tiny_pipeline_dir)
-    argv = ["--mm-model", model_json, "--mm-data", data_json, "--train-iters", "2", "--global-batch-size", "8",
+    argv = ["--mm-model", model_json, "--mm-data", data_json, "--train-iters", "2", "--prompts-per-iteration", "2",
             "--num-generations", "4", "--micro-batch-size", "2", "--num-inference-steps", "6", "--height", "64",
             "--width", "64", "--no-progress-bar", "--log-interval", "1000", "--kl-beta", str(kl_beta)]
     if lora_rank:

@@ -11,7 +11,7 @@ import shlex
 import pytest
 import torch
 
-from mm_grpo.grpo.schedule import GRPOSettings
+from mm_grpo.grpo.hyperparameters import GRPOSettings
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.grpo_helpers import SMOOTH_REWARD, run_grpo, write_configs
 
@@ -22,7 +22,7 @@ ROUNDING = 5e-3  # the doc writes derived values (shift, KL weight, EMA decay an
 
 # The sizes the tiny pipeline cannot run, replaced; everything else runs as the doc gives it.
 TINY_SIZES = {
-    "--global-batch-size": "4",  # 1152 images per iteration (48 prompts): one prompt here
+    "--prompts-per-iteration": "1",  # 48 prompts per iteration: one here
     "--num-generations": "4",  # 24 per prompt
     "--micro-batch-size": "2",  # 3 or 9 do not divide an update's 4 / --updates-per-rollout samples
     "--height": "32", "--width": "32",  # 512 x 512 (1024 latent tokens): the tiny VAE's 32 x 32
@@ -108,7 +108,8 @@ def flow_grpo_expected(gpus, batch, group, steps, shift, noise_level, clip_range
     kl = beta * mean_trained_dt(steps, shift, int(steps * 0.99)) if beta else 0.0
     expected = {
         "--sampler": "flow_sde", "--noise-level": noise_level, "--num-inference-steps": steps, "--sigma-shift": shift,
-        "--num-generations": group, "--global-batch-size": batch * gpus * batches, "--micro-batch-size": batch,
+        "--num-generations": group, "--prompts-per-iteration": batch * gpus * batches // group,
+        "--micro-batch-size": batch,
         "--updates-per-rollout": updates, "--timestep-selection": "ordered", "--timestep-fraction": 0.99,
         "--policy-loss": "ppo", "--clip-range": clip_range, "--adv-clip-max": 5, "--global-std": global_std,
         "--init-same-noise": False, "--kl-beta": kl, "--ratio-norm": guard, "--step-reweight": guard,
@@ -126,7 +127,7 @@ def nft_expected():
     batch, batches, accumulation = nft_batches(gpus, group, steps_per_epoch)
     expected = {
         "--sampler": "ode", "--num-inference-steps": 10, "--sigma-shift": 3.0, "--num-generations": group,
-        "--global-batch-size": batch * gpus * batches, "--micro-batch-size": batch,
+        "--prompts-per-iteration": batch * gpus * batches // group, "--micro-batch-size": batch,
         "--updates-per-rollout": batches // accumulation, "--timestep-selection": "ordered",
         "--timestep-fraction": 0.99, "--policy-loss": "nft", "--nft-beta": 1.0, "--adv-clip-max": 5,
         "--global-std": True, "--init-same-noise": False, "--kl-beta": 1e-4,

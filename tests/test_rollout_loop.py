@@ -145,8 +145,9 @@ def test_generator_noise_is_reproducible():
 
 
 def test_initial_noise_same_within_group_and_independent_of_the_rank_slice():
-    from mm_grpo.grpo.schedule import GRPOSettings, draw_noise
-    same = GRPOSettings(global_batch_size=12, num_generations=4, num_inference_steps=N, init_same_noise=True)
+    from mm_grpo.grpo.draws import draw_noise
+    from mm_grpo.grpo.hyperparameters import GRPOSettings
+    same = GRPOSettings(prompts_per_iteration=3, num_generations=4, num_inference_steps=N, init_same_noise=True)
     init, steps = draw_noise(same, 0, range(12), (S, C))
     assert init.shape == (12, S, C) and steps.shape == (12, N, S, C)
     groups = init.view(3, 4, S, C)
@@ -155,7 +156,7 @@ def test_initial_noise_same_within_group_and_independent_of_the_rank_slice():
     assert not torch.equal(steps[0], steps[1])  # the SDE noise is each sample's own
     part = draw_noise(same, 0, range(4, 8), (S, C))  # a data-parallel rank's slice draws the same rows
     assert torch.equal(part[0], init[4:8]) and torch.equal(part[1], steps[4:8])
-    free, _ = draw_noise(GRPOSettings(global_batch_size=12, num_generations=4, num_inference_steps=N), 0, range(12), (S, C))
+    free, _ = draw_noise(GRPOSettings(prompts_per_iteration=3, num_generations=4, num_inference_steps=N), 0, range(12), (S, C))
     assert not torch.equal(free[0], free[1]) and not torch.equal(draw_noise(same, 1, range(12), (S, C))[0], init)
 
 

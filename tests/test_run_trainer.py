@@ -49,7 +49,7 @@ def test_grpo_flux_sh_as_shipped_trains_the_cpu_demo(tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=_pythonpath(), MM_GRPO_PYTHON=sys.executable,
                MM_GRPO_ASCEND=str(tmp_path / "no_ascend"), RUN_DIR=str(run_dir), NPUS_PER_NODE="1", ITERS="1",
-               GBS="16", MBS="16", EVAL_PROMPTS="1", MASTER_PORT=str(_free_port()), PYTHONWARNINGS="ignore")
+               PROMPTS="1", MBS="16", EVAL_PROMPTS="1", MASTER_PORT=str(_free_port()), PYTHONWARNINGS="ignore")
     env.pop("MM_GRPO_DEVICE", None)  # the script finds the CPU itself
     proc = subprocess.run(["bash", "examples/flux/grpo_flux.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)

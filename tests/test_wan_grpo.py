@@ -29,7 +29,7 @@ pytestmark = pytest.mark.mindspeed_mm
 SCRIPT = os.path.join(REPO, "examples", "wan", "grpo_wan.sh")
 TINY_MODEL = os.path.join(REPO, "examples", "wan", "model_tiny.json")
 LAUNCH_TIMEOUT_S = 900
-GBS = 24  # the tiny run's rows per step: G 4 x 2 prompts x K 3, the same for every layout below
+PROMPTS = 2  # the tiny run's prompts per iteration (G 4 x K 3: 24 rows per step), the same for every layout below
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +161,9 @@ def layouts(tmp_path_factory):
     from the same weights (each run builds and converts the same seeded tiny pipeline, PP 2 split)."""
     require_testbed(needs_megatron_training=True)
     tmp = tmp_path_factory.mktemp("wan_runs")
-    return {"dp2": _run(tmp, "dp2"), "single": _run(tmp, "single", NPUS_PER_NODE="1", GBS=str(GBS)),
-            "cp2": _run(tmp, "cp2", CP="2", GBS=str(GBS)), "pp2": _run(tmp, "pp2", PP="2", GBS=str(GBS))}
+    return {"dp2": _run(tmp, "dp2"), "single": _run(tmp, "single", NPUS_PER_NODE="1", PROMPTS=str(PROMPTS)),
+            "cp2": _run(tmp, "cp2", CP="2", PROMPTS=str(PROMPTS)),
+            "pp2": _run(tmp, "pp2", PP="2", PROMPTS=str(PROMPTS))}
 
 
 def saved_pipeline(run_dir, iteration):
@@ -222,7 +223,7 @@ def _launch_argv(tiny_wan, tmp_path, model=None, **flags):
     argv = [f"--{k}" if v is True else f"--{k}={v}" for k, v in values.items()]  # True: a switch
     return argv + ["--context-parallel-algo", "ulysses_cp_algo",
                    "--num-layers", "2", "--hidden-size", "48", "--num-attention-heads", "2", "--seq-length", "1",
-                   "--max-position-embeddings", "1", "--global-batch-size", str(GBS), "--train-iters", "2",
+                   "--max-position-embeddings", "1", "--prompts-per-iteration", str(PROMPTS), "--train-iters", "2",
                    "--lr", "1e-3", "--distributed-backend", "gloo", "--no-gradient-accumulation-fusion",
                    "--num-generations", "4", "--num-inference-steps", "6",
                    "--mm-model", str(tmp_path / "model.json"), "--mm-data", str(tmp_path / "data.json"),
@@ -232,7 +233,7 @@ def _launch_argv(tiny_wan, tmp_path, model=None, **flags):
 def test_a_wan_launch_that_passes_the_checks(tiny_wan, tmp_path):
     from mm_grpo.mindspeed_mm.grpo import check_launch
     launch = check_launch(_launch_argv(tiny_wan, tmp_path))
-    assert (launch.settings.height, launch.settings.width, launch.settings.global_batch_size) == (32, 32, 8)
+    assert (launch.settings.height, launch.settings.width, launch.settings.samples_per_iteration) == (32, 32, 8)
     assert sorted(launch.reward.rewards) == ["frames_jpeg_compressibility", "motion"]
 
 

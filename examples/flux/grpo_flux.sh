@@ -17,8 +17,8 @@
 #   HPS_PATH ...   reward weights named in MODEL_JSON
 #   TP PP CP       tensor / pipeline / context(Ulysses) parallel sizes
 #   NPUS_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT   torchrun (multi-node)
-#   GBS MBS G STEPS ITERS LR SEED  batch, micro-batch, generations per prompt, denoising steps,
-#                                  iterations, learning rate, seed
+#   PROMPTS MBS G STEPS ITERS LR SEED  prompts per iteration (each rolled out G times), micro-batch,
+#                                  generations per prompt, denoising steps, iterations, learning rate, seed
 #   SAMPLER TIMESTEPS CLIP         dance_sde | flow_sde | cps (| ode with POLICY_LOSS=awm|nft SAME_NOISE=0); random | ordered | window
 #                                  (MixGRPO) | branch (Flow-GRPO-Fast: sets SAME_NOISE=1); clip range
 #   WINDOW ODE_REUSE               SDE steps of the window / branch; model every k-th ODE step outside it
@@ -65,7 +65,7 @@ if [ -z "${PIPELINE_DIR:-}" ]; then
   export PROMPT_FILE="${PROMPT_FILE:-$SCRIPT_DIR/shapes_prompts/grpo_objects.txt}"
   export EVAL_PROMPT_FILE="${EVAL_PROMPT_FILE:-$SCRIPT_DIR/shapes_prompts/eval_objects_report.txt}"
   export EVAL_SAMPLES="${EVAL_SAMPLES:-64}" EVAL_SEED="${EVAL_SEED:-1}"  # data_shapes_demo.json reads them
-  NPUS_PER_NODE="${NPUS_PER_NODE:-2}"; ITERS="${ITERS:-110}"; GBS="${GBS:-128}"; MBS="${MBS:-32}"
+  NPUS_PER_NODE="${NPUS_PER_NODE:-2}"; ITERS="${ITERS:-110}"; PROMPTS="${PROMPTS:-8}"; MBS="${MBS:-32}"
   SEED="${SEED:-1}"  # the README's figures are seeds 1-3; the default run repeats seed 1 exactly
   G="${G:-16}"; LR="${LR:-2e-4}"; SAMPLER="${SAMPLER:-ode}"; POLICY_LOSS="${POLICY_LOSS:-nft}"; SAME_NOISE="${SAME_NOISE:-0}"
   TIMESTEP_FRACTION="${TIMESTEP_FRACTION:-0.25}"; KL_BETA="${KL_BETA:-0.5}"
@@ -79,18 +79,18 @@ export EVAL_PROMPT_FILE="${EVAL_PROMPT_FILE:-}"
 NPUS_PER_NODE="${NPUS_PER_NODE:-8}"; NNODES="${NNODES:-1}"; NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-localhost}"; MASTER_PORT="${MASTER_PORT:-6000}"
 TP="${TP:-1}"; PP="${PP:-1}"; CP="${CP:-1}"
-G="${G:-12}"; MBS="${MBS:-1}"; GBS="${GBS:-$((G * NPUS_PER_NODE * NNODES / (TP * PP * CP)))}"
+G="${G:-12}"; MBS="${MBS:-1}"; PROMPTS="${PROMPTS:-$((NPUS_PER_NODE * NNODES / (TP * PP * CP)))}"  # one per DP rank
 STEPS="${STEPS:-16}"; ITERS="${ITERS:-200}"; LR="${LR:-1e-5}"
 
 DISTRIBUTED_ARGS="--nproc_per_node $NPUS_PER_NODE --nnodes $NNODES --node_rank $NODE_RANK \
   --master_addr $MASTER_ADDR --master_port $MASTER_PORT"
 GPT_ARGS="--tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP \
   --context-parallel-size $CP --context-parallel-algo ulysses_cp_algo \
-  --micro-batch-size $MBS --global-batch-size $GBS --train-iters $ITERS --seed ${SEED:-1234} \
+  --micro-batch-size $MBS --train-iters $ITERS --seed ${SEED:-1234} \
   --lr $LR --weight-decay 1e-4 --adam-beta1 0.9 --adam-beta2 0.999 --clip-grad 1.0"
 [ "$DEVICE" = "cpu" ] || GPT_ARGS="$GPT_ARGS --bf16 --recompute-activations"
 MM_ARGS="--mm-model ${MODEL_JSON:-$SCRIPT_DIR/model.json} --mm-data ${DATA_JSON:-$SCRIPT_DIR/data.json}"
-GRPO_ARGS="--num-generations $G --num-inference-steps $STEPS --sampler ${SAMPLER:-dance_sde} --policy-loss ${POLICY_LOSS:-ppo} \
+GRPO_ARGS="--prompts-per-iteration $PROMPTS --num-generations $G --num-inference-steps $STEPS --sampler ${SAMPLER:-dance_sde} --policy-loss ${POLICY_LOSS:-ppo} \
   --timestep-selection ${TIMESTEPS:-random} --timestep-fraction ${TIMESTEP_FRACTION:-0.6} --clip-range ${CLIP:-1e-4} \
   --adv-clip-max 5 \
   --window-size ${WINDOW:-3} --ode-reuse ${ODE_REUSE:-1} --eval-prompts ${EVAL_PROMPTS:-8}"

@@ -25,8 +25,8 @@
 #                  each stage (the tiny run converts LOAD_PATH for it); under PP the launch adds
 #                  --use-multiparameter-pipeline-model-parallel (MindSpeed's multi-tensor schedule)
 #   NPUS_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT   torchrun
-#   G STEPS K ITERS LR SEED KL_BETA  generations per prompt, denoising steps, trained steps per sample
-#                  (DanceGRPO: 0.6 of the SDE steps), iterations, learning rate, seed, KL weight
+#   PROMPTS G STEPS ITERS LR SEED KL_BETA  prompts per iteration (default: one per data-parallel rank),
+#                  generations per prompt, denoising steps, iterations, learning rate, seed, KL weight
 #   SAMPLER POLICY_LOSS CLIP   rollout step, objective, clip range (as grpo_flux.sh)
 #   CFG            classifier-free guidance scale of the rollout and the trained steps (default 5: DanceGRPO's
 #                  Wan recipe, diffusers' WanPipeline and MindSpeed-MM's Wan inference; 1: none, half the DiT
@@ -67,7 +67,7 @@ if [ "$TINY" = 1 ]; then
   [ -f "$RUN_DIR/prompts/train.txt" ] || "$PY" -m mm_grpo.data.motion split --out "$RUN_DIR/prompts" --num-prompts 60 > /dev/null
   export PROMPT_FILE="${PROMPT_FILE:-$RUN_DIR/prompts/train.txt}"
   export EVAL_PROMPT_FILE="${EVAL_PROMPT_FILE-$RUN_DIR/prompts/held_out.txt}"; EVAL_PROMPTS="${EVAL_PROMPTS:-4}"
-  NPUS_PER_NODE="${NPUS_PER_NODE:-2}"; G="${G:-4}"; STEPS="${STEPS:-6}"; K="${K:-3}"; ITERS="${ITERS:-3}"
+  NPUS_PER_NODE="${NPUS_PER_NODE:-2}"; G="${G:-4}"; STEPS="${STEPS:-6}"; ITERS="${ITERS:-3}"
   LR="${LR:-1e-3}"; SEED="${SEED:-1}"; EVAL_INTERVAL="${EVAL_INTERVAL:-$ITERS}"; DIST_BACKEND=gloo
 fi
 export EVAL_PROMPT_FILE="${EVAL_PROMPT_FILE:-}"
@@ -78,14 +78,14 @@ NPUS_PER_NODE="${NPUS_PER_NODE:-8}"; NNODES="${NNODES:-1}"; NODE_RANK="${NODE_RA
 MASTER_ADDR="${MASTER_ADDR:-localhost}"; MASTER_PORT="${MASTER_PORT:-6000}"
 CP="${CP:-1}"; PP="${PP:-1}"
 DP=$((NPUS_PER_NODE * NNODES / CP / PP))
-G="${G:-8}"; STEPS="${STEPS:-16}"; K="${K:-9}"; ITERS="${ITERS:-200}"; LR="${LR:-1e-5}"
-GBS="${GBS:-$((G * DP * K))}"  # (generation, trained step) rows per optimizer step: one prompt per data-parallel rank
+G="${G:-8}"; STEPS="${STEPS:-16}"; ITERS="${ITERS:-200}"; LR="${LR:-1e-5}"
+PROMPTS="${PROMPTS:-$DP}"  # prompts per iteration, one per data-parallel rank (the entry derives --global-batch-size)
 
 DISTRIBUTED_ARGS="--nproc_per_node $NPUS_PER_NODE --nnodes $NNODES --node_rank $NODE_RANK \
   --master_addr $MASTER_ADDR --master_port $MASTER_PORT"
 GPT_ARGS="--tensor-model-parallel-size 1 --pipeline-model-parallel-size $PP \
   --context-parallel-size $CP --context-parallel-algo ulysses_cp_algo \
-  --micro-batch-size 1 --global-batch-size $GBS --train-iters $ITERS --seed ${SEED:-1234} \
+  --micro-batch-size 1 --train-iters $ITERS --seed ${SEED:-1234} \
   --lr $LR --min-lr 0 --lr-decay-style constant --lr-warmup-iters 0 --weight-decay 1e-4 \
   --adam-beta1 0.9 --adam-beta2 0.999 --adam-eps 1e-8 --clip-grad 1.0 \
   --distributed-backend ${DIST_BACKEND:-nccl} --no-gradient-accumulation-fusion"
@@ -94,7 +94,7 @@ GPT_ARGS="--tensor-model-parallel-size 1 --pipeline-model-parallel-size $PP \
   --recompute-num-layers ${RECOMPUTE_LAYERS:-30} --use-fused-rmsnorm"
 MM_ARGS="--mm-model ${MODEL_JSON:-$SCRIPT_DIR/model.json} --mm-data ${DATA_JSON:-$SCRIPT_DIR/data.json} \
   --mm-tool ${MM_TOOL:-$MINDSPEED_MM/mindspeed_mm/tools/tools.json}"
-GRPO_ARGS="--num-generations $G --num-inference-steps $STEPS --sampler ${SAMPLER:-dance_sde} --cfg-scale ${CFG:-5} \
+GRPO_ARGS="--prompts-per-iteration $PROMPTS --num-generations $G --num-inference-steps $STEPS --sampler ${SAMPLER:-dance_sde} --cfg-scale ${CFG:-5} \
   --policy-loss ${POLICY_LOSS:-ppo} --timestep-fraction ${TIMESTEP_FRACTION:-0.6} --clip-range ${CLIP:-1e-4} \
   --kl-beta ${KL_BETA:-0} --max-skipped-iterations ${MAX_SKIPPED:-10} --eval-prompts ${EVAL_PROMPTS:-8}"
 OUTPUT_ARGS="--log-interval 1 --save-interval ${SAVE_INTERVAL:-50} --eval-interval ${EVAL_INTERVAL:-50} \

@@ -8,7 +8,10 @@ from typing import Optional, Tuple
 
 import torch
 
+from mm_grpo.rollout.samplers import sde_steps
 from mm_grpo.rollout.trajectory import check_window
+
+WINDOWED = ("window", "branch")  # selections that train every step of an SDE window (MixGRPO, Flow-GRPO-Fast)
 
 
 def _check_args(batch_size: int, num_steps: int, fraction: float, min_steps: int) -> None:
@@ -30,6 +33,19 @@ def _count(trainable: int, fraction: float) -> int:
     if count < 1:
         raise ValueError(f"timestep fraction {fraction} of {trainable} steps selects none; use >= {1 / trainable:.4g}")
     return count
+
+
+def trained_steps_per_sample(num_inference_steps: int, timestep_selection: str = "random",
+                             timestep_fraction: float = 0.6, window_size: int = 3, sampler: str = "dance_sde") -> int:
+    """K, the transitions every sample trains, as the selectors below choose them: the window's size
+    (window, branch), the first int(k * fraction) of the sampler's k SDE steps (ordered), or
+    int((N - 1) * fraction) of the N - 1 steps before the last (random)."""
+    if timestep_selection in WINDOWED:
+        _check_window_size(window_size, sde_steps(sampler, num_inference_steps))
+        return window_size
+    if timestep_selection == "ordered":
+        return _count(sde_steps(sampler, num_inference_steps), timestep_fraction)
+    return _count(num_inference_steps - 1, timestep_fraction)
 
 
 def dance_grpo_timesteps(

@@ -63,9 +63,10 @@ from mm_grpo.checkpoint import resume
 from mm_grpo.data import PromptStream
 from mm_grpo.files.jsonfile import load_json
 from mm_grpo.files.lock import RunFolderLocked
-from mm_grpo.grpo.schedule import GRPOSettings
+from mm_grpo.grpo.hyperparameters import GRPOSettings
 from mm_grpo.mindspeed_mm.adapter import GRPOMicroBatches, grpo_forward_step, rollout_before_each_step
 from mm_grpo.rewards.combined import CombinedReward
+from mm_grpo.runtime.denoiser import FluxGuidance
 from mm_grpo.settings import accept_negative_numbers, add_setting_args, check_bounds, from_args
 from mm_grpo.training import components, run_guard
 from mm_grpo.training.arguments import GuardArgs, HeldOutArgs, OptimizerArgs
@@ -87,7 +88,7 @@ EMA_REFUSAL = (
 
 
 # the GRPO group's flags beside MindSpeed-MM's own (the batch sizes and the seed are Megatron's)
-OWN_SETTINGS = (GRPOSettings, GuardArgs, HeldOutArgs)
+OWN_SETTINGS = (GRPOSettings, FluxGuidance, wan.WanGuidance, GuardArgs, HeldOutArgs)
 
 
 class LaunchRefused(ValueError):
@@ -116,6 +117,7 @@ class Launch:
     prompts: PromptStream
     eval_prompts: Optional[List[str]]  # the held-out prompts evaluated (--eval-prompts of eval_prompt_file)
     reward: CombinedReward
+    guidance: object  # the model family's guidance settings: FluxGuidance or wan.WanGuidance
 
 
 def parse_launch_args(argv) -> argparse.Namespace:
@@ -136,20 +138,27 @@ def parse_launch_args(argv) -> argparse.Namespace:
 
 
 def grpo_settings(args, model_cfg, dp_size: int) -> GRPOSettings:
-    """GRPOSettings from the GRPO flags, Megatron's batch sizes and seed, and model.json's image size."""
+    """GRPOSettings from the GRPO flags, Megatron's micro-batch size and seed, and model.json's image
+    size; Megatron's --global-batch-size, when given, checked against the batch it derives (grpo/batch.py)."""
     height, width = components.image_size(model_cfg)
-    if args.global_batch_size is None:
-        raise ValueError("--global-batch-size is required: it counts (generation, trained step) rows per "
-                         "optimizer step")
-    base = from_args(GRPOSettings, args, global_batch_size=args.num_generations, height=height, width=width)
-    k = base.trained_steps_per_sample
-    per_update, rest = divmod(args.global_batch_size, k)
-    if rest:
-        raise ValueError(f"--global-batch-size {args.global_batch_size} counts (generation, trained step) rows "
-                         f"per optimizer step: it must be a multiple of the {k} trained steps per sample")
-    settings = dataclasses.replace(base, global_batch_size=per_update * base.updates_per_rollout)
+    settings = from_args(GRPOSettings, args, height=height, width=width)
     settings.check(dp_size)
+    if args.global_batch_size is not None:
+        settings.batch.check_global_batch_size(args.global_batch_size)
     return settings
+
+
+def guidance_settings(args, model_cfg):
+    """The model family's guidance flags: Wan's classifier-free guidance, or FLUX's embedding (where
+    --cfg-scale is refused in one line)."""
+    guidance = from_args(wan.WanGuidance, args)
+    guidance.check()
+    if wan.is_wan(model_cfg):
+        return guidance
+    if args.cfg_scale != 1:
+        raise ValueError(f"--cfg-scale {args.cfg_scale}: FLUX.1 is guidance-distilled and takes its guidance as "
+                         "an embedding (--guidance-scale); classifier-free guidance is for models without one (Wan)")
+    return from_args(FluxGuidance, args)
 
 
 def resumed_iteration(args) -> int:
@@ -210,8 +219,7 @@ def _check_launch(argv) -> Launch:
                          f"of {args.tensor_model_parallel_size} x {args.context_parallel_size} x "
                          f"{args.pipeline_model_parallel_size}")
     settings = grpo_settings(args, model_cfg, args.world_size // model_parallel)
-    if not wan.is_wan(model_cfg):
-        components.check_flux_guidance(settings)
+    guidance = guidance_settings(args, model_cfg)
     u, start = settings.updates_per_rollout, resumed_iteration(args)
     check_rollout_boundary(start, u)
     for flag, value in (("--save-interval", args.save_interval), ("--train-iters", args.train_iters)):
@@ -226,7 +234,7 @@ def _check_launch(argv) -> Launch:
     if eval_prompts:
         eval_settings(data_cfg["dataset_param"])
     reward = components.grpo_reward(model_cfg, prompts.prompts + (eval_prompts or []), mm_grpo.get_platform().device)
-    return Launch(args, model_cfg, data_cfg, settings, prompts, eval_prompts, reward)
+    return Launch(args, model_cfg, data_cfg, settings, prompts, eval_prompts, reward, guidance)
 
 
 def check_launch(argv) -> Launch:
@@ -284,8 +292,8 @@ class GRPOInPretrain:
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         parts = wan.wan_parts if wan.is_wan(launch.model_cfg) else components.flux_parts
         self.schedule = components.grpo_schedule(launch.settings, self.policy, launch.model_cfg, launch.reward,
-                                                 device, dtype, ref_policy=self.reference_policy(args, device),
-                                                 parts=parts)
+                                                 device, dtype, launch.guidance,
+                                                 ref_policy=self.reference_policy(args, device), parts=parts)
         if launch.eval_prompts:
             self.evaluator = held_out_evaluator(launch.eval_prompts, self.schedule, launch.data_cfg["dataset_param"],
                                                 device)
@@ -370,7 +378,8 @@ def main():
         with rollout_before_each_step(lambda: grpo.data):
             pretrain(grpo.train_valid_test_datasets_provider, grpo.model_provider, ModelType.encoder_or_decoder,
                      grpo.forward_step, extra_args_provider=add_grpo_args,
-                     args_defaults={"dataloader_type": "external"})
+                     args_defaults={"dataloader_type": "external",
+                                    "global_batch_size": launch.settings.batch.rows_per_update})
         grpo.finish()
     finally:
         if grpo.lock is not None:

@@ -29,11 +29,12 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.utils import get_attr_wrapped_model
 
-from mm_grpo.encoders.wan import (TIMESTEP_SCALE, WANDIT_MICRO_BATCH_REASON, WANDIT_TP_REASON, UMT5Conditioner,
-                                  WanVaeDecoder, video_latent_shape, video_token_grid)
+from mm_grpo.encoders.wan import (TIMESTEP_SCALE, WAN_NEGATIVE_PROMPT, WANDIT_MICRO_BATCH_REASON, WANDIT_TP_REASON,
+                                  UMT5Conditioner, WanVaeDecoder, video_latent_shape, video_token_grid)
 from mm_grpo.mindspeed_mm.predictor import scale_grad
 from mm_grpo.parallel.state import is_last_stage, tensor_from_last_stage
-from mm_grpo.runtime.denoiser import Denoiser
+from mm_grpo.grpo.denoiser import Denoiser
+from mm_grpo.settings import setting
 from mm_grpo.training import components
 
 MODEL_ID = "wandit"
@@ -133,6 +134,22 @@ def stage_tensor_shapes(args, model_cfg: dict) -> list:
 
 
 @dataclasses.dataclass(frozen=True)
+class WanGuidance:
+    """Wan2.1 has no guidance embedding: classifier-free guidance against a negative prompt."""
+    cfg_scale: float = setting(
+        1.0, "classifier-free guidance of a model without a guidance embedding (Wan): the velocity v_uncond + "
+             "s (v_cond - v_uncond) in the rollout and in the trained steps, DanceGRPO's --cfg_infer (its Wan "
+             "recipe: 5); 1: none", minimum=1.0)
+    negative_prompt: str = setting(WAN_NEGATIVE_PROMPT, "the unconditional prompt of --cfg-scale (default: "
+                                                        "MindSpeed-MM's Wan2.1 negative prompt)")
+
+    def check(self):
+        if self.negative_prompt != WAN_NEGATIVE_PROMPT and self.cfg_scale == 1:
+            raise ValueError("--negative-prompt is the unconditional prompt of classifier-free guidance, which is "
+                             "off: add --cfg-scale > 1")
+
+
+@dataclasses.dataclass(frozen=True)
 class WanDenoiser(Denoiser):
     """MindSpeed-MM's WanDiT on video latents [C, T, h, w], text as umT5 features [L, D]; with
     `cfg_scale` > 1, classifier-free guidance against `negative` (the unconditional prompt's [1, L, D])."""
@@ -216,7 +233,7 @@ class WanDenoiser(Denoiser):
         return v
 
 
-def wan_parts(model_cfg, settings, policy, device, dtype):
+def wan_parts(model_cfg, settings, policy, device, dtype, guidance: WanGuidance):
     """(conditioner, decoder, denoiser) of a Wan run: umT5 and Wan's VAE from the `text_encoder` and
     `ae` blocks' diffusers Wan pipeline folder, and the denoiser over model.json's video size."""
     text = components.block(model_cfg, "text_encoder", components.MODEL_FLAG)
@@ -226,6 +243,6 @@ def wan_parts(model_cfg, settings, policy, device, dtype):
     vae = WanVaeDecoder(components.block(ae, "from_pretrained", "ae"), device=device, dtype=dtype)
     frames, height, width = video_size(model_cfg)
     shape = video_latent_shape(frames, height, width, model_cfg["predictor"].get("in_dim", 16))
-    negative = encoder.encode([settings.negative_prompt]) if settings.cfg_scale != 1 else None
-    denoiser = WanDenoiser(shape, settings.cfg_scale, negative)
+    negative = encoder.encode([guidance.negative_prompt]) if guidance.cfg_scale != 1 else None
+    denoiser = WanDenoiser(shape, guidance.cfg_scale, negative)
     return encoder.encode, (lambda latents, height, width: vae(latents)), denoiser

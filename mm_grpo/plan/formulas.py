@@ -32,12 +32,21 @@ import functools
 from typing import Dict, List, Optional
 
 from mm_grpo.encoders.latents import num_image_tokens
+from mm_grpo.grpo.hyperparameters import GRPOSettings
+from mm_grpo.grpo.timesteps import trained_steps_per_sample
 from mm_grpo.models.flux.config import FluxConfig
 from mm_grpo.plan.devices import GB
 from mm_grpo.settings import setting
 
 TIME_CHANNELS = 256  # sinusoid width of the timestep / guidance embedders (models/flux/embeddings.py)
 ADAM_STATES = 2  # exp_avg, exp_avg_sq
+
+
+def grpo_field(name: str):
+    """GRPOSettings' field `name` (its default, flag, help and bounds): declared once, for the trainers
+    and the planner alike."""
+    field = next(f for f in dataclasses.fields(GRPOSettings) if f.name == name)
+    return dataclasses.field(default=field.default, metadata=field.metadata)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +56,10 @@ class GRPOJob:
     fields with a help text are `mm-grpo plan`'s flags (--lora-rank: plan/flags.py, one or several)."""
     text_tokens: int = setting(512, "text tokens (FLUX: T5 max_sequence_length; Wan pads every prompt to "
                                     "umT5's text_len 512)", minimum=1)
-    num_generations: int = setting(12, "G: images / videos per prompt", minimum=2)
-    prompts_per_iteration: int = 1  # prompts per iteration, all data-parallel ranks together
-    num_inference_steps: int = setting(16, "N: denoising steps", minimum=2)
-    timestep_fraction: float = setting(0.6, "trained-step fraction (of the N - 1 steps: the last is dropped)")
+    num_generations: int = grpo_field("num_generations")
+    prompts_per_iteration: int = 1  # P: without a flag here (plan/flags.py: one prompt per data-parallel rank)
+    num_inference_steps: int = grpo_field("num_inference_steps")
+    timestep_fraction: float = grpo_field("timestep_fraction")
     micro_batch_size: int = setting(1, "samples per forward/backward (Wan's WanDiT: 1)", minimum=1)
     lora_rank: int = 0  # 0: full fine-tuning
     recompute: bool = setting(True, "activation recompute, one block at a time")
@@ -69,8 +78,8 @@ class GRPOJob:
 
     @property
     def trained_steps(self) -> int:
-        """K: DanceGRPO drops the last step and keeps int((N - 1) * fraction) (grpo/timesteps.py)."""
-        return max(1, int((self.num_inference_steps - 1) * self.timestep_fraction))
+        """K of DanceGRPO's selection (grpo/timesteps.py), the planner's."""
+        return trained_steps_per_sample(self.num_inference_steps, timestep_fraction=self.timestep_fraction)
 
     def on(self, layout: "Layout", group_per_dp_rank: bool = True) -> "GRPOJob":
         """The job a layout runs: one prompt group per data-parallel rank when `group_per_dp_rank`

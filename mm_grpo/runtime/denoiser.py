@@ -1,44 +1,15 @@
-"""What GRPO needs from a flow-matching model, behind one small interface.
-
-The schedule, its rollout and the held-out evaluation ask a `Denoiser` for one sample's latent
-shape, the forward arguments of a batch of prompts, the velocity of this rank's model chunks and
-a training micro-batch's forward; samplers, log-probs and objectives act on latents of any rank.
-FLUX (`FluxDenoiser`, below) packs its latents into [S, C] tokens; MindSpeed-MM's Wan DiT
-(`mm_grpo/mindspeed_mm/wan.py`) takes video latents [C, T, h, w].
-"""
+"""FLUX's side of GRPO: its `Denoiser` (latents packed 2x2 into [tokens, channels], text as T5
+embeddings, pooled CLIP and txt_ids) and its guidance setting (an embedding, FLUX.1-dev's 3.5)."""
 import dataclasses
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
-import torch
 from megatron.core.utils import get_attr_wrapped_model
 
 from mm_grpo.encoders.latents import token_grid
+from mm_grpo.grpo.denoiser import Denoiser
 from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
 from mm_grpo.runtime.chunks import FORWARD_KEYS, PER_SAMPLE_CONDITIONING, conditioning, make_velocity_fn
-
-
-class Denoiser:
-    """latent_shape: one sample's latents; per_sample_keys: the conditioning with one row per
-    sample; shared_keys: the conditioning every sample of a batch shares."""
-    latent_shape: Tuple[int, ...]
-    per_sample_keys: Tuple[str, ...]
-    shared_keys: Tuple[str, ...]
-
-    def conditioning(self, text, rows: Optional[torch.Tensor], device) -> Dict:
-        """The forward arguments of the prompts `rows` of a conditioner's output `text` (None: all)."""
-        raise NotImplementedError
-
-    def velocity_fn(self, chunks: Sequence, cond: Dict, micro_batch_size: int) -> Callable:
-        """velocity(x [B, *latent_shape], sigma [B]) -> v on every model-parallel rank."""
-        raise NotImplementedError
-
-    def forward(self, model, batch: Dict) -> torch.Tensor:
-        """A training micro-batch's velocity (inside Megatron's forward_step)."""
-        raise NotImplementedError
-
-    def rows_of(self, cond: Dict, rows) -> Dict:
-        """The conditioning of some samples of a batch."""
-        return {k: v[rows] if k in self.per_sample_keys and v is not None else v for k, v in cond.items()}
+from mm_grpo.settings import setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,3 +44,9 @@ class FluxDenoiser(Denoiser):
 
     def forward(self, model, batch):
         return model(**{k: batch[k] for k in FORWARD_KEYS if k in batch})
+
+
+@dataclasses.dataclass(frozen=True)
+class FluxGuidance:
+    """FLUX.1's guidance: an embedding input, not classifier-free guidance (--guidance-scale)."""
+    guidance_scale: float = setting(FLUX_DEV_GUIDANCE, "guidance embedding value (FLUX.1-dev)")

@@ -36,7 +36,7 @@ from mm_grpo.data.shapes import BACKGROUNDS
 from mm_grpo.encoders.wan import (TIMESTEP_SCALE, UMT5Conditioner, WanVaeDecoder, component_folder,
                                   encode_video_latents, load_tokenizer, video_latent_shape)
 from mm_grpo.files.atomic import atomic_dir, atomic_write_text
-from mm_grpo.grpo.schedule import GRPOSettings
+from mm_grpo.grpo.hyperparameters import GRPOSettings
 from mm_grpo.rewards.video import motion_scores
 from mm_grpo.rollout import sigma_schedule
 from mm_grpo.runtime.denoiser import Denoiser

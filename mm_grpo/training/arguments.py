@@ -9,9 +9,10 @@ import dataclasses
 from typing import Optional, Tuple
 
 from mm_grpo.files.jsonfile import load_json
-from mm_grpo.grpo.schedule import GRPOSettings
+from mm_grpo.grpo.hyperparameters import GRPOSettings
 from mm_grpo.models.flux import lora
 from mm_grpo.parallel.ulysses import ULYSSES_CP_ALGO
+from mm_grpo.runtime.denoiser import FluxGuidance
 from mm_grpo.seeding import DEFAULT_SEED
 from mm_grpo.settings import accept_negative_numbers, add_setting_args, check_bounds, setting
 from mm_grpo.training import components
@@ -43,7 +44,9 @@ class GuardArgs:
 @dataclasses.dataclass(frozen=True)
 class TrainingArgs:
     micro_batch_size: int = setting(1, "samples per forward/backward on one rank")
-    global_batch_size: Optional[int] = setting(None, "samples (generations) per iteration over all data-parallel ranks")
+    global_batch_size: Optional[int] = setting(
+        None, "samples per optimizer step over all data-parallel ranks, as in Megatron (GRPO: (sample, trained step) "
+              "rows, derived from --prompts-per-iteration and checked when given; grpo/batch.py)")
     train_iters: int = setting(None, "iterations to train", required=True, minimum=0)
     seed: int = setting(DEFAULT_SEED, "seed of every random stream (Megatron's default)")
     bf16: bool = setting(False, "bf16 compute with fp32 master weights")
@@ -139,7 +142,7 @@ class GRPORunArgs:
 MEGATRON_GROUPS = {"distributed": (DistributedArgs,), "training": (TrainingArgs, GuardArgs),
                    "optimizer (AdamW)": (OptimizerArgs,), "checkpointing": (CheckpointArgs,),
                    "logging": (LoggingArgs,), "mindspeed-mm": (MindSpeedMMArgs,), "lora": (LoRAArgs,)}
-GRPO_GROUP = {"grpo": (GRPOSettings, HeldOutArgs, GRPORunArgs)}
+GRPO_GROUP = {"grpo": (GRPOSettings, FluxGuidance, HeldOutArgs, GRPORunArgs)}
 
 
 def _check_lora_args(args) -> None:

@@ -25,7 +25,7 @@ from mm_grpo.encoders.latents import token_grid
 from mm_grpo.grpo.schedule import GRPOSchedule
 from mm_grpo.rewards.base import RewardConfig
 from mm_grpo.rewards.combined import CombinedReward
-from mm_grpo.runtime.denoiser import FluxDenoiser
+from mm_grpo.runtime.denoiser import FluxDenoiser, FluxGuidance
 from mm_grpo.runtime.predictor_block import KNOWN_KEYS as FLUX_PREDICTOR_KEYS
 from mm_grpo.settings import check_keys
 
@@ -165,25 +165,18 @@ def grpo_reward(model_cfg, prompts, device) -> CombinedReward:
     return reward
 
 
-def check_flux_guidance(settings):
-    """FLUX.1 takes its guidance as an embedding (--guidance-scale): --cfg-scale is refused in one line."""
-    if settings.cfg_scale != 1:
-        raise ValueError(f"--cfg-scale {settings.cfg_scale}: FLUX.1 is guidance-distilled and takes its guidance as "
-                         "an embedding (--guidance-scale); classifier-free guidance is for models without one (Wan)")
-
-
-def flux_parts(model_cfg, settings, policy, device, dtype):
+def flux_parts(model_cfg, settings, policy, device, dtype, guidance: FluxGuidance):
     """(conditioner, decoder, denoiser) of a FLUX run: model.json's text encoders and VAE decoder."""
     return (conditioner(block(model_cfg, "text_encoder", MODEL_FLAG), device, dtype),
             decoder(block(model_cfg, "ae", MODEL_FLAG), device, dtype),
-            FluxDenoiser.of(policy, settings.height, settings.width, settings.guidance_scale))
+            FluxDenoiser.of(policy, settings.height, settings.width, guidance.guidance_scale))
 
 
-def grpo_schedule(settings, policy, model_cfg, reward, device, dtype, schedule_cls=GRPOSchedule,
+def grpo_schedule(settings, policy, model_cfg, reward, device, dtype, guidance, schedule_cls=GRPOSchedule,
                   ref_policy=None, old_policy=None, parts=flux_parts) -> GRPOSchedule:
     """The GRPO schedule of a run: `policy` (this rank's chunks), the reward `grpo_reward` built and the
-    model family's `parts` (conditioner, decoder, denoiser: FLUX's, or mindspeed_mm/wan.py's);
-    `ref_policy` for the KL term, `old_policy` the sampler."""
-    conditioner_fn, decoder_fn, denoiser = parts(model_cfg, settings, policy, device, dtype)
+    model family's `parts` (conditioner, decoder, denoiser: FLUX's, or mindspeed_mm/wan.py's) with its
+    `guidance` settings; `ref_policy` for the KL term, `old_policy` the sampler."""
+    conditioner_fn, decoder_fn, denoiser = parts(model_cfg, settings, policy, device, dtype, guidance)
     return schedule_cls(settings, policy, conditioner=conditioner_fn, decoder=decoder_fn, reward=reward,
                         ref_policy=ref_policy, old_policy=old_policy, device=device, denoiser=denoiser)

@@ -80,7 +80,7 @@ def write_eval_scores(path: str, iteration: int, result) -> None:
 
 class TrainingRun:
     """What a trainer defines for the loop: `args`, `model` (a `Trainable`), `settings` (with
-    `global_batch_size`), `evaluator` (or None), `step(iteration) -> stats`; optionally
+    `samples_per_iteration`), `evaluator` (or None), `step(iteration) -> stats`; optionally
     `checkpoint_extras()` and `finish()`. `resume()` after building loads a training checkpoint."""
 
     def __init__(self, args):
@@ -120,7 +120,7 @@ class TrainingRun:
             for it in range(self.start_iteration, args.train_iters):
                 start = time.time()
                 stats = self.step(it)
-                stats["samples_per_second"] = self.settings.global_batch_size / (time.time() - start)
+                stats["samples_per_second"] = self.settings.samples_per_iteration / (time.time() - start)
                 history.append(stats)
                 logger.log(it + 1, stats)
                 done = it + 1

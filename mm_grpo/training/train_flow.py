@@ -24,10 +24,9 @@ from mm_grpo.data.image_captions import ImageCaptionDataset
 from mm_grpo.encoders.latents import LATENT_FACTOR, VAE_SCALE_FACTOR, pack_latents, token_grid
 from mm_grpo.encoders.vae import encode_latents
 from mm_grpo.flow import FlowMatchingSettings, flow_matching_loss, noisy_latents, sample_sigmas
-from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
 from mm_grpo.parallel import initialize_parallel
 from mm_grpo.runtime.chunks import conditioning
-from mm_grpo.runtime.denoiser import FluxDenoiser
+from mm_grpo.runtime.denoiser import FluxDenoiser, FluxGuidance
 from mm_grpo.seeding import DEFAULT_SEED, Stream, seeded_generator
 from mm_grpo.settings import from_args, setting
 from mm_grpo.training import arguments, components
@@ -42,8 +41,12 @@ class FlowSettings:
     global_batch_size: int
     micro_batch_size: int
     flow: FlowMatchingSettings
-    guidance_scale: float = setting(FLUX_DEV_GUIDANCE, "guidance embedding value (FLUX.1-dev)")
+    guidance: FluxGuidance = FluxGuidance()
     seed: int = DEFAULT_SEED
+
+    @property
+    def samples_per_iteration(self) -> int:
+        return self.global_batch_size
 
     def check(self, dp_size: int):
         if self.micro_batch_size < 1 or self.global_batch_size < 1:
@@ -63,7 +66,7 @@ class FlowRunSettings:
     sigma_shift: float = setting(3.0, "shift of the evaluation's sigma schedule")
 
 
-FLOW_GROUP = {"flow matching": (FlowMatchingSettings, FlowSettings, FlowRunSettings)}
+FLOW_GROUP = {"flow matching": (FlowMatchingSettings, FluxGuidance, FlowRunSettings)}
 # what FlowRun reads of data.json's dataset_param (any other key is refused: components.check_data_config)
 FLOW_DATASET_KEYS = ("data_folder", "image_column", "caption_column", "cache_features", *components.EVAL_KEYS)
 
@@ -138,7 +141,7 @@ class FlowRun(ConfiguredRun):
         initialize_parallel(parallel, seed=args.seed, timeout_minutes=args.distributed_timeout_minutes)
         dp_size = parallel_state.get_data_parallel_world_size()
         self.settings = from_args(FlowSettings, args, global_batch_size=args.global_batch_size or
-                                  args.micro_batch_size * dp_size, flow=from_args(FlowMatchingSettings, args))
+                                  args.micro_batch_size * dp_size, flow=from_args(FlowMatchingSettings, args), guidance=from_args(FluxGuidance, args))
         self.settings.check(dp_size)
         self.model = build_trainable(args, self.flux_config, self.predictor, parallel)
         dtype = torch.bfloat16 if args.bf16 else torch.float32
@@ -165,8 +168,8 @@ class FlowRun(ConfiguredRun):
         return Evaluator(
             prompts, self.features.text, components.decoder(self.model_cfg["ae"], self.device, torch.float32), reward,
             sigma_schedule(self.args.num_inference_steps, self.args.sigma_shift).to(self.device),
-            FluxDenoiser(self.size, self.size, self.flux_config.in_channels, self.args.guidance_scale), self.size,
-            self.size, params.get("eval_samples_per_prompt", 1), seed=params.get("eval_seed", 0), device=self.device)
+            FluxDenoiser(self.size, self.size, self.flux_config.in_channels, self.settings.guidance.guidance_scale),
+            self.size, self.size, params.get("eval_samples_per_prompt", 1), seed=params.get("eval_seed", 0), device=self.device)
 
     # --- data -------------------------------------------------------------------------
     def local_samples(self, iteration: int) -> range:
@@ -196,7 +199,7 @@ class FlowRun(ConfiguredRun):
             sigma.append(sample_sigmas(1, self.settings.flow, tokens, generator=g))
         noise, sigma = torch.stack(noise).to(self.device), torch.cat(sigma).to(self.device)
         cond = conditioning(self.features.text(self.dataset.captions_of(indices)), self.grid,
-                            self.settings.guidance_scale, self.device)
+                            self.settings.guidance.guidance_scale, self.device)
         x_t = noisy_latents(x0, noise, sigma)
         mbs = self.settings.micro_batch_size
         return [dict(hidden_states=x_t[i:i + mbs], timestep=sigma[i:i + mbs], x0=x0[i:i + mbs],

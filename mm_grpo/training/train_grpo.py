@@ -18,10 +18,12 @@ from megatron.core import parallel_state
 
 from mm_grpo.checkpoint.paths import EMA_KEY
 from mm_grpo.checkpoint.resume import ResumeRefused
-from mm_grpo.grpo.schedule import GRPOSchedule, GRPOSettings
+from mm_grpo.grpo.hyperparameters import GRPOSettings
+from mm_grpo.grpo.schedule import GRPOSchedule
 from mm_grpo.models.flux import lora
 from mm_grpo.parallel import initialize_parallel
 from mm_grpo.runtime.chunks import build_model_chunks, load_pretrained
+from mm_grpo.runtime.denoiser import FluxGuidance
 from mm_grpo.settings import from_args
 from mm_grpo.training import components, evaluation
 from mm_grpo.training.arguments import parse_args
@@ -64,10 +66,10 @@ class GRPORun(ConfiguredRun):
                                              + (self.eval_prompts or [])[:args.eval_prompts], self.device)
         parallel = parallel_config(args, self.predictor)
         initialize_parallel(parallel, seed=args.seed, timeout_minutes=args.distributed_timeout_minutes)
-        self.settings = from_args(GRPOSettings, args, global_batch_size=args.global_batch_size or args.num_generations,
-                                  height=height, width=width)
+        self.settings = from_args(GRPOSettings, args, height=height, width=width)
         self.settings.check(parallel_state.get_data_parallel_world_size())
-        components.check_flux_guidance(self.settings)
+        if args.global_batch_size is not None:
+            self.settings.batch.check_global_batch_size(args.global_batch_size)
         # The policy.
         self.model = build_trainable(args, self.flux_config, self.predictor, parallel)
         ref_policy = None
@@ -85,7 +87,8 @@ class GRPORun(ConfiguredRun):
                                  args.ema_decay_ramp)
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         self.schedule = components.grpo_schedule(self.settings, self.model.modules, self.model_cfg, self.reward,
-                                                 self.device, dtype, ref_policy=ref_policy,
+                                                 self.device, dtype, from_args(FluxGuidance, args),
+                                                 ref_policy=ref_policy,
                                                  old_policy=self.ema.modules if self.ema else None)
         self.evaluator = self._evaluator()
         self.train_rewards = []  # reward/mean per iteration from iteration 0, across resumes (the figures)

@@ -9,9 +9,8 @@
 # diffusion_pytorch_model.safetensors file); to resume a run, LOAD_PATH=$SAVE_PATH.
 # MM_MODEL (grpo_model.json): the VAE and text encoders of $PIPELINE_DIR and the rewards ($HPS_PATH);
 # MM_DATA (grpo_data.json): $PROMPT_FILE, and $EVAL_PROMPT_FILE for the held-out evaluation (unset: none).
-# Megatron's --global-batch-size counts (generation, trained step) rows per optimizer step:
-# GBS = G generations x DP x K trained steps per sample (DanceGRPO trains 0.6 of the 15 SDE steps of
-# 16: K = 9); a GBS that is no multiple of the real K is refused in one line naming it.
+# The batch is PROMPTS prompts per iteration x G generations; the entry derives Megatron's
+# --global-batch-size from it (the (generation, trained step) rows of an optimizer step, grpo/batch.py).
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$HERE/launch_env.sh"  # CANN, MindSpeed-MM's exports, torchrun's sizes (NPUS_PER_NODE, ...)
 source "$HERE/../../../shell/run_trainer.sh"  # run_trainer: the entry's exit status and one-line error last
@@ -22,8 +21,7 @@ DP=$(($WORLD_SIZE/$TP/$CP))
 MBS=${MBS:-1}
 G=${G:-12}           # generations per prompt
 STEPS=${STEPS:-16}   # denoising steps of a rollout
-K=${K:-9}            # trained steps per sample (above)
-GBS=${GBS:-$(($G*$DP*$K))}  # one prompt per data-parallel rank per optimizer step
+PROMPTS=${PROMPTS:-$DP}  # prompts per iteration: one per data-parallel rank
 TRAIN_ITERS=${TRAIN_ITERS:-300}
 LR=${LR:-1e-5}
 SEED=${SEED:-42}
@@ -45,7 +43,6 @@ GPT_ARGS="
     --context-parallel-size ${CP} \
     --context-parallel-algo ulysses_cp_algo \
     --micro-batch-size ${MBS} \
-    --global-batch-size ${GBS} \
     --lr ${LR} \
     --min-lr 0 \
     --adam-beta1 0.9 \
@@ -68,6 +65,7 @@ MM_ARGS="
 "
 
 GRPO_ARGS="
+    --prompts-per-iteration ${PROMPTS} \
     --num-generations ${G} \
     --num-inference-steps ${STEPS} \
     --sampler ${SAMPLER:-dance_sde} \
