@@ -1,10 +1,15 @@
-"""mm-grpo's reward server and the `remote` reward: the same scores as in process, batching,
-bounded queue and body size, one-line refusals, and a server that is down or dies."""
+"""mm-grpo's reward server and the `remote` reward: the same scores as in process, batching and
+splitting, the bounded queue, body size and image budget, one-line refusals, the bearer token,
+the port checked before serving, and a server that is down or dies. Hostile clients against the
+server in its own process: tests/test_reward_server_limits.py."""
 import base64
 import concurrent.futures
 import contextlib
+import errno
 import json
 import math
+import os
+import socket
 import threading
 import time
 
@@ -15,17 +20,27 @@ import torch
 from bench.bench_reward_server import shapes_batch
 from mm_grpo.rewards import CombinedReward, build_reward, wire
 from mm_grpo.rewards.remote import RemoteRefused
-from mm_grpo.tools.reward_server import BatchScorer, ServerSettings, create_app, free_socket, serve_app
+from mm_grpo.tools.reward_server import (PROG, BatchScorer, HeldPixels, ServerSettings, create_app, free_socket, main,
+                                         serve_app, unprotected_warning)
 from tests.fixtures import parallel_1proc  # noqa: F401
 
 CONFIGS = [{"name": "compositional"}, {"name": "jpeg_compressibility", "weight": 0.5}]
+TOKEN = "s3cret-token"
+
+
+def _png(side: int) -> str:
+    return base64.b64encode(wire.encode_image(torch.zeros(side, side, 3, dtype=torch.uint8).numpy())).decode()
+
+
+PNG_8, PNG_16 = _png(8), _png(16)
 
 
 @contextlib.contextmanager
-def reward_server(configs, **settings):
+def reward_server(configs, token=None, **settings):
     """mm-grpo's reward server for `configs` on localhost, in a thread: (url, the reward it serves)."""
     reward = CombinedReward.from_configs(configs)
-    with serve_app(create_app(reward, ServerSettings(rewards="-", **settings))) as url:
+    settings = ServerSettings(rewards="-", **settings)
+    with serve_app(create_app(reward, settings, token), settings=settings) as url:
         yield url, reward
 
 
@@ -91,10 +106,16 @@ def test_a_full_queue_is_refused_and_the_scorer_thread_stops_with_the_server():
     (json.dumps({"images": ["eA=="], "prompts": ["a red circle"]}).encode(), 400, "image 0 does not decode"),
     (json.dumps({"images": ["***"], "prompts": ["a red circle"]}).encode(), 400, "image 0 is not valid base64"),
     (json.dumps({"images": [], "prompts": []}).encode(), 400, "at least one image"),
-    (b"x" * 3000, 413, "more than --max-request-mb"),
+    (b"x" * 200_000, 413, "the body has 200000 bytes, more than --max-request-mb 0.143051"),
+    (json.dumps({"images": [PNG_8] * 3, "prompts": ["a"] * 3}).encode(), 413,
+     "the request has 3 images, more than --max-images-per-request 2"),
+    (json.dumps({"images": [PNG_16] * 2, "prompts": ["a"] * 2}).encode(), 413,
+     "the request's 2 images of 16x16 are 0.000488281 Mpx decoded, more than --max-request-mpx 0.000305176"),
+    (b"[" * 100_000, 400, "the body is not JSON this server reads: it nests too deeply"),
 ])
 def test_malformed_or_oversized_requests_get_a_one_line_error(body, status, message):
-    with reward_server(CONFIGS, max_request_mb=2000 / 2 ** 20) as (url, _):
+    limits = {"max_request_mb": 150_000 / 2 ** 20, "max_images_per_request": 2, "max_request_mpx": 320 / wire.MPX}
+    with reward_server(CONFIGS, **limits) as (url, _):
         response = requests.post(url + wire.SCORE_PATH, data=body, headers={"Content-Type": "application/json"})
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -110,10 +131,108 @@ def test_a_prompt_the_reward_cannot_score_is_refused_and_stops_the_run_in_one_li
     assert "\n" not in str(e.value)
 
 
-def test_mixed_image_sizes_in_one_request_are_refused():
-    png = [base64.b64encode(wire.encode_image(torch.zeros(s, s, 3, dtype=torch.uint8).numpy())).decode() for s in (8, 16)]
-    with pytest.raises(wire.BadRequest, match="one size"):
-        wire.decode_request({"images": png, "prompts": ["a", "b"]})
+def test_mixed_image_sizes_in_one_request_are_refused_before_decoding():
+    with pytest.raises(wire.BadRequest, match=r"one size, got \[\(8, 8\), \(16, 16\)\]"):
+        wire.parse_request({"images": [PNG_8, PNG_16], "prompts": ["a", "b"]})
+    images, _ = wire.decode_request({"images": [PNG_8, PNG_8], "prompts": ["a", "b"]})
+    assert images.dtype == torch.uint8 and images.shape == (2, 3, 8, 8)  # floats are made a batch at a time
+
+
+class _Recording:
+    """A reward that records the size and dtype of each batch it scores: the mean pixel."""
+    def __init__(self):
+        self.batches, self.weights = [], {"mean": 1.0}
+
+    def __call__(self, images, prompts):
+        self.batches.append((len(prompts), images.dtype))
+        values = images.mean((1, 2, 3))
+        return values, {"mean": values}
+
+
+@pytest.mark.parametrize("max_batch, max_batch_pixels, sizes", [(4, None, [4, 4, 2]), (64, 3 * 8 * 8, [3, 3, 3, 1])])
+def test_a_request_larger_than_a_batch_is_scored_in_pieces_each_made_float_alone(max_batch, max_batch_pixels, sizes):
+    images = torch.randint(0, 256, (10, 3, 8, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    recording = _Recording()
+    scorer = BatchScorer(recording, max_batch, max_queue=4, batch_wait_s=0, max_batch_pixels=max_batch_pixels)
+    total, terms = scorer.submit(images, list("abcdefghij")).result(10)
+    scorer.close()
+    assert recording.batches == [(n, torch.float32) for n in sizes]
+    assert torch.equal(total, images.float().div(255).mean((1, 2, 3))) and torch.equal(terms["mean"], total)
+
+
+def test_a_request_whose_client_went_away_before_scoring_is_dropped_and_the_scorer_goes_on():
+    slow, one = _Slow(), torch.zeros(1, 3, 8, 8)
+    scorer = BatchScorer(slow, max_batch=1, max_queue=4, batch_wait_s=0)
+    scorer.submit(one, ["a"])  # taken by the scorer thread, which blocks
+    time.sleep(0.2)
+    gone = scorer.submit(one, ["b"])
+    assert gone.cancel()  # what asyncio does to it when the request's task is cancelled
+    after = scorer.submit(one, ["c"])
+    slow.release.set()
+    assert after.result(10)[0].tolist() == [0.0] and gone.cancelled()
+    scorer.close()
+
+
+def test_decoded_pixels_held_over_all_requests_wait_for_room():
+    held, order = HeldPixels(limit=100), []
+
+    def request(name, pixels, hold_s):
+        held.take(pixels)
+        order.append(f"{name} in")
+        time.sleep(hold_s)
+        order.append(f"{name} out")
+        held.give_back(pixels)
+    a = threading.Thread(target=request, args=("a", 60, 1.0))
+    a.start()
+    time.sleep(0.1)
+    waiting = [threading.Thread(target=request, args=args) for args in (("b", 60, 0), ("c", 40, 0))]
+    for thread in waiting:
+        thread.start()
+    for thread in (a, *waiting):
+        thread.join(10)
+    assert order.index("c in") < order.index("a out") < order.index("b in") and held.held == 0  # c fits beside a
+
+
+def test_a_server_with_a_token_refuses_requests_without_it_in_one_line_before_any_rollout(monkeypatch):
+    images, prompts = shapes_batch(2)
+    body = wire.encode_request(images, prompts)
+    missing = ("this server needs a token: Authorization: Bearer <the server's $MM_GRPO_REWARD_TOKEN> "
+               "(the `remote` reward sends $MM_GRPO_REWARD_TOKEN)")
+    with reward_server(CONFIGS, token=TOKEN) as (url, served):
+        wrong = {"Authorization": "Bearer " + TOKEN[:-1] + "X"}  # as long as the token: only the content differs
+        for headers, message in [({}, missing), (wrong, "the bearer token is wrong")]:
+            for response in (requests.get(url + wire.HEALTH_PATH, headers=headers),
+                             requests.post(url + wire.SCORE_PATH, json=body, headers=headers)):
+                assert response.status_code == 401 and response.json() == {"error": message}
+        monkeypatch.delenv(wire.TOKEN_ENV, raising=False)
+        with pytest.raises(RemoteRefused) as refused:
+            _remote(url)
+        assert str(refused.value) == f"reward 'remote': {url}/health refused the request: HTTP 401 {missing}"
+        monkeypatch.setenv(wire.TOKEN_ENV, TOKEN)
+        assert torch.equal(_remote(url)(images, prompts), served(images, prompts)[0])
+
+
+def test_listening_beyond_localhost_without_a_token_is_one_warning_line():
+    assert unprotected_warning("0.0.0.0", None, wire.TOKEN_ENV) == (
+        "listening on 0.0.0.0 without a token: anyone who reaches this port can use the server "
+        "(set $MM_GRPO_REWARD_TOKEN)")
+    assert unprotected_warning("0.0.0.0", TOKEN, wire.TOKEN_ENV) is None
+    assert all(unprotected_warning(host, None, wire.TOKEN_ENV) is None for host in ("127.0.0.1", "localhost", "::1"))
+
+
+def test_a_port_in_use_is_one_line_and_nothing_says_serving(tmp_path, capsys):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    path = tmp_path / "rewards.json"
+    path.write_text(json.dumps(CONFIGS))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--rewards", str(path), "--port", str(port)])
+    busy.close()
+    in_use = f"[Errno {errno.EADDRINUSE}] {os.strerror(errno.EADDRINUSE)}"
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == f"{PROG}: error: cannot listen on 127.0.0.1:{port}: {in_use}\n"
 
 
 def test_an_unreachable_server_is_one_line_naming_the_url_before_any_rollout():
@@ -207,14 +326,19 @@ def test_the_shipped_launch_script_serves_the_shapes_rewards(tmp_path):
 
 @pytest.mark.parametrize("case, message", [
     ("missing", "--rewards"), ("unknown", "unknown reward 'nope'"), ("no list", "expected a non-empty list"),
-    ("port", "--port must be >= 1, got 0")])
-def test_server_bad_input_is_one_line_before_anything_listens(tmp_path, capsys, case, message):
-    from mm_grpo.tools.reward_server import main
+    ("port", "--port must be >= 1, got 0"), ("token", "--token-env MY_REWARD_TOKEN: $MY_REWARD_TOKEN is not set"),
+    ("budget", "--max-held-mpx 8 must be >= --max-request-mpx 16")])
+def test_server_bad_input_is_one_line_before_anything_listens(tmp_path, capsys, monkeypatch, case, message):
     path = tmp_path / "rewards.json"
     if case != "missing":
         path.write_text(json.dumps({"unknown": [{"name": "nope"}], "no list": {"reward": []}}.get(case, CONFIGS)))
+    sock = free_socket()  # a free port
+    port = sock.getsockname()[1]
+    sock.close()
+    monkeypatch.delenv("MY_REWARD_TOKEN", raising=False)
+    flags = {"port": ["--port", "0"], "token": ["--token-env", "MY_REWARD_TOKEN"], "budget": ["--max-held-mpx", "8"]}
     with pytest.raises(SystemExit) as exit_:
-        main(["--rewards", str(path), "--port", "0" if case == "port" else "1"])
+        main(["--rewards", str(path), "--port", str(port), *flags.get(case, [])])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
 

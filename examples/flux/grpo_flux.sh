@@ -13,7 +13,8 @@
 #   DATA_JSON      data.json (data_shapes.json for the CPU demo); PROMPT_FILE / EVAL_PROMPT_FILE fill it in
 #   LOAD           a converted Megatron checkpoint (mm-convert ... hf_to_mm) to start from,
 #                  or a training checkpoint to resume; SAVE where to save (default: RUN_DIR/ckpt);
-#                  LOAD=$SAVE with nothing saved yet: a fresh start from PIPELINE_DIR's weights
+#                  LOAD=$SAVE with nothing saved yet: a fresh start from PIPELINE_DIR's weights; an earlier
+#                  iteration of LOAD (e.g. when the latest is damaged): --ckpt-step N after the script's name
 #   HPS_PATH ...   reward weights named in MODEL_JSON
 #   TP PP CP       tensor / pipeline / context(Ulysses) parallel sizes
 #   NPUS_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT   torchrun (multi-node)

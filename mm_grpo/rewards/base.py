@@ -28,7 +28,8 @@ class RewardConfig:
     clip_path: `aesthetic` only: transformers CLIP folder whose image features feed the head.
     dtype: "float32", "bfloat16" or "float16" for the reward model.
     url: remote rewards only: the server's address (http://host:port).
-    timeout: remote rewards only: seconds one request may take.
+    timeout: remote rewards only: seconds one try may take in all (connect, send, the whole reply; a
+        `vlm_judge` batch's requests together), retried `retries` more times.
     retries: remote rewards only: further tries after a failed request (unreachable, timed out,
         busy); when they fail too the batch scores NaN and the iteration is skipped.
     model: `vlm_judge` only: the served model's name on the OpenAI-compatible endpoint.

@@ -4,18 +4,29 @@
 
 `--rewards` is a JSON list of reward configs, or a model.json whose `reward` block is used (the
 same entries as in model.json; $VARS and relative paths resolved as the trainers resolve them). The protocol is mm_grpo/rewards/wire.py's; docs/rewards.md says
-how to run it beside an NPU cluster. Requests are queued (a bounded queue: 503 when full) and
-one thread scores them in batches of up to --max-batch images, joining requests whose images
-have one size; bodies over --max-request-mb get 413, malformed ones 400, each with a one-line
-{"error": ...}.
+how to run it beside an NPU cluster. Every request has a budget: its body (--max-request-mb),
+its images (--max-images-per-request) and their decoded pixels (--max-request-mpx, read from
+the image headers before anything is decoded) are bounded, and a request over any of them gets
+413; the decoded pixels held over all requests are bounded too (--max-held-mpx: a request
+waits for room). Requests are queued (a bounded queue: 503 when full) and one thread scores
+them in batches of up to --max-batch images and --max-request-mpx pixels, splitting a larger
+request and joining requests whose images have one size; images stay 8-bit until their batch
+is scored. A client has --read-timeout-s to send a whole request, and --max-connections are
+served at once (503 beyond, and beyond twice as many new connections are closed as they come).
+With a token ($MM_GRPO_REWARD_TOKEN, or --token-env) every request needs `Authorization:
+Bearer <token>`. Every refusal is a one-line {"error": ...}.
 """
 import argparse
 import asyncio
 import contextlib
 import dataclasses
+import errno
+import hmac
+import ipaddress
 import json
 import os
 import queue
+import resource
 import socket
 import sys
 import threading
@@ -26,44 +37,110 @@ from typing import List, Optional
 import torch
 
 from mm_grpo.files.jsonfile import load_json
+from mm_grpo.rewards import wire
 from mm_grpo.rewards.base import one_line
 from mm_grpo.rewards.combined import CombinedReward
-from mm_grpo.rewards.wire import HEALTH_PATH, SCORE_PATH, BadRequest, decode_request, encode_response
+from mm_grpo.rewards.wire import HEALTH_PATH, MPX, SCORE_PATH, BadRequest, encode_response
 from mm_grpo.settings import add_setting_args, from_args, setting
 from mm_grpo.training.components import resolve_paths
 
 PROG = "python -m mm_grpo.tools.reward_server"
 MB = 2 ** 20
+# Open connections beyond OVERFLOW x --max-connections are closed as they are accepted; below
+# that uvicorn answers a request over --max-connections with 503.
+OVERFLOW = 2
+# Open files a connection slot may need: OVERFLOW held, plus one accept round (the listen
+# backlog is --max-connections) and the connections of the round before, still closing.
+FILES_PER_CONNECTION = OVERFLOW + 2
+FILES_HEADROOM = 128  # the reward's model files, threads' pipes, logs
+WARN_INTERVAL_S = 10.0  # a warning about a flood of connections is repeated at most this often
+READ_TIMED_OUT = "mm_grpo.read_timed_out"  # set in a request's scope when its connection was closed for it
+WAIT_POLICY = "OMP_WAIT_POLICY"  # read by OpenMP once, when torch loads
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerSettings:
     rewards: str = setting(None, "JSON list of reward configs, or a model.json (its `reward` block)", required=True)
-    host: str = setting("127.0.0.1", "address to listen on (0.0.0.0: every interface)")
+    host: str = setting("127.0.0.1", "address to listen on (0.0.0.0: every interface; then set a token)")
     port: int = setting(8000, "port to listen on", minimum=1)
     device: str = setting("cpu", "device of the reward models (cuda, npu, cpu)")
-    max_batch: int = setting(64, "images scored together, at most (requests of one image size are joined)",
-                             minimum=1)
+    max_batch: int = setting(64, "images scored together, at most (requests of one image size are joined, "
+                                 "larger ones split)", minimum=1)
     max_queue: int = setting(256, "requests waiting, at most: more get 503", minimum=1)
     max_request_mb: float = setting(64.0, "largest request body in MiB: larger ones get 413")
+    max_images_per_request: int = setting(256, "images in one request, at most: more get 413 before any is decoded",
+                                          minimum=1)
+    max_request_mpx: float = setting(
+        16.0, "decoded pixels of one request in Mpx (2^20 pixels), at most: more get 413 before any image is "
+              "decoded. 16: one 4096x4096 image, 16 of 1024x1024 or 64 of 512x512 (48 MiB as 8-bit RGB; the "
+              "shipped FLUX run sends 12 of 720x720 a rank, 5.9 Mpx). A scored batch holds at most as many "
+              "(192 MiB as float32, plus what the reward needs for them)")
+    max_held_mpx: float = setting(64.0, "decoded pixels held at once over all requests (decoding, queued, "
+                                        "scored) in Mpx: a request waits for room. 64: 192 MiB as 8-bit RGB")
     batch_wait_ms: float = setting(5.0, "how long the scorer waits for more requests to join a batch")
+    read_timeout_s: float = setting(30.0, "seconds a client has to send a whole request, headers and body: a "
+                                          "slower connection is closed (30: a 64 MiB body needs 18 Mbit/s)")
+    max_connections: int = setting(
+        128, "open connections served at once: beyond it a request gets 503 at once, beyond twice as many a new "
+             f"connection is closed as it comes. Needs {FILES_PER_CONNECTION} open files a connection: ulimit -n "
+             "is raised to its hard limit when that is needed; at least the number of ranks that score here",
+        minimum=1)
+    token_env: str = setting(wire.TOKEN_ENV, "environment variable holding the bearer token every request must "
+                                             "carry (Authorization: Bearer <token>; unset or empty: no token). The "
+                                             "`remote` reward sends $MM_GRPO_REWARD_TOKEN")
+
+
+def warn(message: str):
+    print(f"{PROG}: warning: {message}", file=sys.stderr, flush=True)
+
+
+class _Every:
+    """A warning repeated at most every `interval_s` (a flood of connections is one line, not one each)."""
+
+    def __init__(self, interval_s: float = WARN_INTERVAL_S):
+        self.interval_s, self.last = interval_s, -float("inf")
+
+    def warn(self, message: str):
+        now = time.monotonic()
+        if now - self.last >= self.interval_s:
+            self.last = now
+            warn(message)
 
 
 @dataclasses.dataclass
 class _Job:
-    images: torch.Tensor
+    images: torch.Tensor  # [B, 3, H, W]: uint8 (0..255) from the wire, or float in [0, 1]
     prompts: List[str]
     result: Future
+    parts: list = dataclasses.field(default_factory=list)  # (total, terms) of the rows scored so far
+
+
+@dataclasses.dataclass
+class _Piece:
+    """Rows of one job in a batch: a job larger than a batch is scored in pieces."""
+    job: _Job
+    rows: slice
+
+    def __len__(self):
+        return self.rows.stop - self.rows.start
+
+
+def _as_float(images: torch.Tensor) -> torch.Tensor:
+    return images.float().div_(255) if images.dtype == torch.uint8 else images.float()
 
 
 class BatchScorer:
-    """One thread scoring queued requests in batches; `submit` -> Future of (total, {name: values})."""
+    """One thread scoring queued requests in batches of at most `max_batch` images and
+    `max_batch_pixels` pixels (a larger request is split; one image is always taken);
+    `submit` -> Future of (total, {name: values})."""
 
-    def __init__(self, reward: CombinedReward, max_batch: int, max_queue: int, batch_wait_s: float):
+    def __init__(self, reward, max_batch: int, max_queue: int, batch_wait_s: float,
+                 max_batch_pixels: Optional[int] = None):
         self.reward, self.max_batch, self.batch_wait_s = reward, max_batch, batch_wait_s
+        self.max_batch_pixels = max_batch_pixels
         self.queue = queue.Queue(maxsize=max_queue)
         self.scored_images = 0
-        self._carry: Optional[_Job] = None  # a job that did not fit the last batch: first in the next
+        self._carry = None  # (job, first row not taken) that did not fit the last batch: first in the next
         self._thread = threading.Thread(target=self._run, name="reward-scorer", daemon=True)
         self._thread.start()
 
@@ -77,43 +154,98 @@ class BatchScorer:
         self.queue.put(None)
         self._thread.join()
 
-    def _next_batch(self):
-        first = self._carry or self.queue.get()
+    def _room(self, batch: List[_Piece], job: _Job) -> int:
+        """Images of `job` that fit beside `batch` (at least one in an empty batch)."""
+        taken = sum(len(p) for p in batch)
+        room = self.max_batch - taken
+        if self.max_batch_pixels is not None:
+            per_image = job.images.shape[2] * job.images.shape[3]
+            room = min(room, (self.max_batch_pixels - taken * per_image) // per_image)
+        return room if batch else max(room, 1)
+
+    def _next_batch(self) -> Optional[List[_Piece]]:
+        """The next batch (a list of pieces, empty when every request taken was cancelled), or
+        None once the scorer is closed."""
+        job, start = self._carry or (self.queue.get(), 0)
         self._carry = None
-        if first is None:
+        if job is None:
             return None
-        batch, count, deadline = [first], len(first.prompts), time.monotonic() + self.batch_wait_s
-        while count < self.max_batch:
+        batch, deadline = [], time.monotonic() + self.batch_wait_s
+        while True:
+            if start or job.result.set_running_or_notify_cancel():  # a cancelled request is dropped
+                stop = min(len(job.prompts), start + self._room(batch, job))
+                if stop > start:
+                    batch.append(_Piece(job, slice(start, stop)))
+                if stop < len(job.prompts):
+                    self._carry = (job, stop)  # marked running: its next piece starts at `stop`
+                    break
+            if sum(len(p) for p in batch) >= self.max_batch:
+                break
             try:
-                job = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                job, start = self.queue.get(timeout=max(0.0, deadline - time.monotonic())), 0
             except queue.Empty:
                 break
-            if job is None or job.images.shape[1:] != first.images.shape[1:] or count + len(job.prompts) > self.max_batch:
-                self._carry = job
+            if job is None or not self._joins(batch, job):
+                self._carry = (job, 0)
                 break
-            batch.append(job)
-            count += len(job.prompts)
         return batch
+
+    @staticmethod
+    def _joins(batch: List[_Piece], job: _Job) -> bool:
+        if not batch:
+            return True
+        first = batch[0].job.images
+        return job.images.shape[1:] == first.shape[1:] and job.images.dtype == first.dtype
 
     def _run(self):
         while True:
             batch = self._next_batch()
             if batch is None:
                 return
+            batch = [p for p in batch if not p.job.result.done()]  # the rest of a request that failed
+            if not batch:
+                continue
             try:
-                total, terms = self.reward(torch.cat([j.images for j in batch]),
-                                           [p for j in batch for p in j.prompts])
+                images = _as_float(torch.cat([p.job.images[p.rows] for p in batch]))  # one batch in float at a time
+                total, terms = self.reward(images, [t for p in batch for t in p.job.prompts[p.rows]])
             except Exception as e:  # the reward failed: every request of the batch gets the error
-                for job in batch:
-                    job.result.set_exception(e)
+                for piece in batch:
+                    piece.job.result.set_exception(e)
                 continue
             # Counted before any request is answered: a client that has its scores sees them counted.
             self.scored_images += len(total)
             start = 0
-            for job in batch:
-                rows = slice(start, start + len(job.prompts))
-                job.result.set_result((total[rows], {name: v[rows] for name, v in terms.items()}))
+            for piece in batch:
+                rows = slice(start, start + len(piece))
+                piece.job.parts.append((total[rows], {name: v[rows] for name, v in terms.items()}))
                 start = rows.stop
+                if piece.rows.stop == len(piece.job.prompts):
+                    piece.job.result.set_result(_joined(piece.job.parts))
+
+
+def _joined(parts):
+    totals, terms = zip(*parts)
+    return torch.cat(totals), {name: torch.cat([t[name] for t in terms]) for name in terms[0]}
+
+
+class HeldPixels:
+    """Decoded pixels the server holds over all requests (decoding, queued, scored): a request
+    waits until its pixels fit. Taken in the worker thread that decodes (one hop off the event
+    loop per request), given back from the event loop once the request is answered."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+        self._changed = threading.Condition()
+
+    def take(self, pixels: int):
+        with self._changed:
+            self._changed.wait_for(lambda: self.held + pixels <= self.limit)
+            self.held += pixels
+
+    def give_back(self, pixels: int):
+        with self._changed:
+            self.held -= pixels
+            self._changed.notify_all()
 
 
 def read_reward_configs(path: str) -> list:
@@ -127,25 +259,58 @@ def read_reward_configs(path: str) -> list:
     return configs
 
 
-def create_app(reward: CombinedReward, settings: ServerSettings):
-    """The FastAPI application serving `reward` (its scorer thread lives as long as the app runs)."""
+class BearerToken:
+    """ASGI middleware: every request needs `Authorization: Bearer <token>` (compared in
+    constant time), else 401 with a one-line error."""
+
+    def __init__(self, app, token: str, token_env: str):
+        from fastapi.responses import JSONResponse
+        self.app, self.expected, self.response = app, b"Bearer " + token.encode(), JSONResponse
+        self.missing = (f"this server needs a token: Authorization: Bearer <the server's ${token_env}> "
+                        f"(the `remote` reward sends ${wire.TOKEN_ENV})")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"authorization")
+            if given is None or not hmac.compare_digest(given, self.expected):
+                message = self.missing if given is None else "the bearer token is wrong"
+                await self.response({"error": message}, status_code=401,
+                                    headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _client(request) -> str:
+    return "{}:{}".format(*request.client) if request.client else "a client"
+
+
+def create_app(reward, settings: ServerSettings, token: Optional[str] = None):
+    """The FastAPI application serving `reward` (its scorer thread lives as long as the app
+    runs); with `token`, every request must carry it."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
     from starlette.concurrency import run_in_threadpool
+    from starlette.requests import ClientDisconnect
 
     def error(status: int, message: str):
         return JSONResponse({"error": message}, status_code=status)
 
+    max_bytes = int(settings.max_request_mb * MB)
+    max_images, max_pixels = settings.max_images_per_request, int(settings.max_request_mpx * MPX)
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        app.state.scorer = BatchScorer(reward, settings.max_batch, settings.max_queue, settings.batch_wait_ms / 1000)
+        _log_out_of_files(asyncio.get_running_loop())
+        app.state.held = HeldPixels(int(settings.max_held_mpx * MPX))
+        app.state.scorer = BatchScorer(reward, settings.max_batch, settings.max_queue, settings.batch_wait_ms / 1000,
+                                       max_batch_pixels=max_pixels)
         try:
             yield
         finally:
             app.state.scorer.close()
 
-    app = FastAPI(title="mm-grpo reward server", lifespan=lifespan)
-    max_bytes = int(settings.max_request_mb * MB)
+    # No /docs or /openapi.json: the server answers its two paths only.
+    app = FastAPI(title="mm-grpo reward server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.get(HEALTH_PATH)
     async def health():
@@ -158,53 +323,206 @@ def create_app(reward: CombinedReward, settings: ServerSettings):
         if length is None or not length.isdigit():
             return error(411, "a Content-Length header is required")
         if int(length) > max_bytes:
-            return error(413, f"the body has {int(length)} bytes, more than --max-request-mb {settings.max_request_mb:g}")
-        body = await request.body()
+            return error(413, f"the body has {int(length)} bytes, more than --max-request-mb "
+                              f"{settings.max_request_mb:g}")
         try:
-            images, prompts = await run_in_threadpool(_parse, body, reward)
+            body = await request.body()
+        except ClientDisconnect:
+            if not request.scope.get(READ_TIMED_OUT):  # else the connection's own warning said why
+                warn(f"{_client(request)} closed the connection before its request was read")
+            return error(400, "the request was not read")  # nobody is there to read it
+        held = request.app.state.held
+        try:
+            images, prompts, pixels = await run_in_threadpool(_decode, body, reward, max_images, max_pixels, held)
         except BadRequest as e:
-            return error(400, str(e))
+            return error(e.status, str(e))
+        except Exception as e:  # e.g. MemoryError: the server's, not the request's, fault
+            return error(500, f"the request could not be decoded: {type(e).__name__}: {one_line(e)}")
         try:
             result = request.app.state.scorer.submit(images, prompts)
+            del images  # the scorer holds them until they are scored
+            total, terms = await asyncio.wrap_future(result)
         except queue.Full:
             return error(503, f"the queue is full ({settings.max_queue} requests): retry later")
-        try:
-            total, terms = await asyncio.wrap_future(result)
         except Exception as e:
             return error(500, f"the reward failed: {type(e).__name__}: {one_line(e)}")
+        finally:
+            held.give_back(pixels)
+        if await request.is_disconnected():
+            warn(f"{_client(request)} closed the connection before its {len(total)} scores were sent")
         return encode_response(total, terms)
 
-    return app
+    return BearerToken(app, token, settings.token_env) if token else app
 
 
-def _parse(body: bytes, reward: CombinedReward):
+def _decode(body: bytes, reward, max_images: int, max_pixels: int, held: HeldPixels):
+    """A /score body -> (images uint8, prompts, pixels taken from `held`), in a worker thread:
+    checked against the budget from the JSON and the image headers, then decoded once its pixels
+    fit beside those the server holds; BadRequest / RequestTooLarge with nothing held."""
+    request = _parse(body, reward, max_images, max_pixels)
+    held.take(request.pixels)
+    try:
+        return wire.decode_images(request), request.prompts, request.pixels
+    except BaseException:
+        held.give_back(request.pixels)
+        raise
+
+
+def _parse(body: bytes, reward, max_images: int, max_pixels: int) -> wire.ScoreRequest:
     try:
         parsed = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BadRequest(f"the body is not JSON ({e})") from None
-    images, prompts = decode_request(parsed)
+    except RecursionError:  # e.g. 100,000 nested [
+        raise BadRequest("the body is not JSON this server reads: it nests too deeply") from None
+    request = wire.parse_request(parsed, max_images, max_pixels)
     try:
-        reward.check_prompts(prompts)
+        reward.check_prompts(request.prompts)
     except ValueError as e:
         raise BadRequest(one_line(e)) from None
-    return images, prompts
+    return request
+
+
+def _log_out_of_files(loop):
+    """The event loop's error for an accept that found no free file descriptor (a traceback per
+    try, many a second) as one line every WARN_INTERVAL_S."""
+    every = _Every()
+
+    def handle(loop, context):
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+            every.warn(f"out of open files ({exc.strerror}): new connections wait; lower --max-connections or "
+                       "raise ulimit -n")
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handle)
+
+
+def guarded_protocol(settings: ServerSettings):
+    """uvicorn's HTTP/1.1 protocol (h11) with what uvicorn 0.54 has no option for: a deadline to
+    read each request, headers and body (--read-timeout-s; uvicorn times out idle keep-alive
+    connections only), and a cap on open connections (OVERFLOW x --max-connections) applied as
+    a connection is accepted, before it can hold a file descriptor for long."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    read_timeout_s, most_open = settings.read_timeout_s, OVERFLOW * settings.max_connections
+    request_read = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR)
+    flood = _Every()
+
+    class GuardedH11Protocol(H11Protocol):
+        _deadline = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            if len(self.connections) > most_open:
+                flood.warn(f"{len(self.connections) - 1} connections open, {OVERFLOW} x --max-connections "
+                           f"{settings.max_connections}: new ones are closed as they come")
+                transport.abort()
+                return
+            self._start_deadline()
+
+        def data_received(self, data: bytes):
+            if self._deadline is None and self.conn.their_state not in request_read:  # a new request starts
+                self._start_deadline()
+            super().data_received(data)
+            if self.conn.their_state in request_read:
+                self._stop_deadline()
+
+        def connection_lost(self, exc):
+            self._stop_deadline()
+            super().connection_lost(exc)
+
+        def _start_deadline(self):
+            self._deadline = self.loop.call_later(read_timeout_s, self._read_timed_out)
+
+        def _stop_deadline(self):
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _read_timed_out(self):
+            self._deadline = None
+            if self.transport.is_closing():
+                return
+            if self.cycle is not None and not self.cycle.response_complete:
+                self.scope[READ_TIMED_OUT] = True
+            client = "{}:{}".format(*self.client) if self.client else "a client"
+            warn(f"closed the connection from {client}: no whole request within --read-timeout-s {read_timeout_s:g}")
+            self.transport.close()
+
+    return GuardedH11Protocol
+
+
+def uvicorn_config(app, settings: ServerSettings, log_level: str = "warning"):
+    import uvicorn
+    return uvicorn.Config(app, http=guarded_protocol(settings), lifespan="on", log_level=log_level,
+                          # uvicorn counts the connection asking: --max-connections are served
+                          limit_concurrency=settings.max_connections + 1,
+                          # also what asyncio accepts in one round: a burst cannot take every descriptor
+                          backlog=settings.max_connections)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (not listening yet); OSError `cannot listen on host:port: ...`.
+    Made with getaddrinfo's protocol (IPPROTO_TCP): asyncio sets TCP_NODELAY only on the
+    connections of such a socket, and without it every response waits for a delayed ACK (40 ms)."""
+    sock = None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        if sock is not None:
+            sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e}") from None
+    return sock
 
 
 def free_socket() -> socket.socket:
     """A socket bound to a free port of 127.0.0.1, not listening yet."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
+    return listen_socket("127.0.0.1", 0)
+
+
+def ensure_open_files(max_connections: int):
+    """Raises the soft limit on open files to what --max-connections needs (up to the hard
+    limit); ValueError when the hard limit is lower."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
+    needed += FILES_HEADROOM + FILES_PER_CONNECTION * max_connections
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise ValueError(f"--max-connections {max_connections} needs {needed} open files, ulimit -n allows {hard}: "
+                         "lower --max-connections or raise the limit")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+
+
+def read_token(settings: ServerSettings) -> Optional[str]:
+    token = os.environ.get(settings.token_env, "")
+    if not token and settings.token_env != wire.TOKEN_ENV:
+        raise ValueError(f"--token-env {settings.token_env}: ${settings.token_env} is not set")
+    return token or None
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
 
 
 @contextlib.contextmanager
-def serve_app(app, sock=None):
-    """Runs an ASGI app under uvicorn in a thread of this process (tests, benchmarks); yields its
-    URL on 127.0.0.1 (`sock`: a bound socket, else a free port); stops it and joins the thread."""
+def serve_app(app, sock=None, settings: Optional[ServerSettings] = None):
+    """Runs an ASGI app under uvicorn in a thread of this process (tests, benchmarks) with the
+    server's protocol (`settings`: its read timeout and connection limit); yields its URL on
+    127.0.0.1 (`sock`: a bound socket, else a free port); stops it and joins the thread."""
     import uvicorn
     sock = sock or free_socket()
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="on"))
+    server = uvicorn.Server(uvicorn_config(app, settings or ServerSettings(rewards="-"), log_level="error"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="reward-server")
     thread.start()
     try:
@@ -220,22 +538,61 @@ def serve_app(app, sock=None):
         sock.close()
 
 
+def _check(settings: ServerSettings):
+    if min(settings.max_request_mb, settings.max_request_mpx, settings.read_timeout_s) <= 0 \
+            or settings.batch_wait_ms < 0:
+        raise ValueError("need --max-request-mb, --max-request-mpx and --read-timeout-s > 0 and --batch-wait-ms >= 0")
+    if settings.max_held_mpx < settings.max_request_mpx:
+        raise ValueError(f"--max-held-mpx {settings.max_held_mpx:g} must be >= --max-request-mpx "
+                         f"{settings.max_request_mpx:g}: a request that fits its budget must fit the server's")
 
-def main(argv=None):
+
+def unprotected_warning(host: str, token: Optional[str], token_env: str) -> Optional[str]:
+    """The start-up warning for a server that anyone on the network can use, or None."""
+    if token is not None or _loopback(host):
+        return None
+    return f"listening on {host} without a token: anyone who reaches this port can use the server (set ${token_env})"
+
+
+def _openmp_spins() -> bool:
+    """Whether torch's OpenMP threads spin between operators (OpenMP's default while a process has
+    no more of them than cores). In this server they share the cores with the event loop and the
+    decoding threads: spinning, they took the load test from 120 to 10 requests/s on 2 cores."""
+    return (WAIT_POLICY not in os.environ and torch.get_num_threads() > 1
+            and "OpenMP" in torch.__config__.parallel_info())
+
+
+def main(argv=None, reexec: bool = False):
+    """`reexec`: run as a program, restart once with OMP_WAIT_POLICY=PASSIVE (OpenMP reads it
+    only when torch loads, before this module runs) when its threads would spin."""
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     add_setting_args(parser, ServerSettings)
     args = parser.parse_args(argv)
     try:
         settings = from_args(ServerSettings, args)
-        if settings.max_request_mb <= 0 or settings.batch_wait_ms < 0:
-            raise ValueError("need --max-request-mb > 0 and --batch-wait-ms >= 0")
-        reward = CombinedReward.from_configs(read_reward_configs(settings.rewards), device=settings.device)
+        _check(settings)
+        token = read_token(settings)
+        configs = read_reward_configs(settings.rewards)
+        ensure_open_files(settings.max_connections)
+        sock = listen_socket(settings.host, settings.port)  # before the models load: a port in use says so at once
     except (ValueError, OSError) as e:
         parser.exit(2, f"{PROG}: error: {e}\n")
+    if reexec and _openmp_spins():
+        sock.close()
+        os.execve(sys.executable, sys.orig_argv, {**os.environ, WAIT_POLICY: "PASSIVE"})
+    try:
+        reward = CombinedReward.from_configs(configs, device=settings.device)
+    except (ValueError, OSError) as e:
+        sock.close()
+        parser.exit(2, f"{PROG}: error: {e}\n")
     import uvicorn
+    server = uvicorn.Server(uvicorn_config(create_app(reward, settings, token), settings))
+    warning = unprotected_warning(settings.host, token, settings.token_env)
+    if warning:
+        warn(warning)
     print(f"{PROG}: serving {reward.weights} on http://{settings.host}:{settings.port}", file=sys.stderr, flush=True)
-    uvicorn.run(create_app(reward, settings), host=settings.host, port=settings.port, log_level="warning")
+    server.run(sockets=[sock])
 
 
 if __name__ == "__main__":
-    main()
+    main(reexec=True)
