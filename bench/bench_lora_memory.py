@@ -87,7 +87,7 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     preset = PRESETS[args.preset]
-    from mm_grpo.tools.tiny import TRANSFORMER_CONFIG
+    from mm_grpo.families.flux.tiny import TRANSFORMER_CONFIG
     config = FluxConfig.from_diffusers_config(dict(TRANSFORMER_CONFIG, **preset.transformer))  # as grpo_setup builds it
     rows = {"full": measure(config, preset),
             f"LoRA r={args.lora_r}": measure(config, preset, lora.LoRAConfig(args.lora_r, args.lora_alpha, TARGETS))}

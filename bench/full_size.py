@@ -71,7 +71,7 @@ def write_frozen_parts(config, text_tokens: int, workdir: Path, tiny_vae: bool) 
     from diffusers import AutoencoderKL
 
     from mm_grpo.encoders.text import save_text_embeddings
-    from mm_grpo.tools.tiny import VAE_CONFIG
+    from mm_grpo.families.flux.tiny import VAE_CONFIG
     pipeline = workdir / ("pipeline_tiny_vae" if tiny_vae else "pipeline_flux_vae")
     if not (pipeline / "vae" / "config.json").is_file():
         torch.manual_seed(0)
@@ -123,7 +123,7 @@ def planned(model: str, size: int, micro_batch: int, lora_rank: int, text_tokens
             compiled: bool, device: str, matmul_flops=None) -> dict:
     """`mm-grpo plan`'s row for this job on one card (TP = PP = SP = 1), at the matmul rate measured in
     this run where there is one."""
-    from mm_grpo.plan.cli import build_parser, plan
+    from mm_grpo.tools.plan import build_parser, plan
     argv = ["--model", model, "--height", str(size), "--micro-batch-size", str(micro_batch),
             "--lora-rank", str(lora_rank), "--text-tokens", str(text_tokens), "--reward", REWARD,
             "--devices", "1", "--device", device, "--tp", "1", "--pp", "1", "--sp", "1",

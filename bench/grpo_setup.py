@@ -77,7 +77,7 @@ PRESETS = {
 
 def build_pipeline(preset: Preset, path: Path, seed: int = 0) -> Path:
     """The tiny pipeline with the preset's transformer (seeded), written once to `path`."""
-    from mm_grpo.tools.tiny import TRANSFORMER_CONFIG, build_tiny_components, build_tiny_pipeline
+    from mm_grpo.families.flux.tiny import TRANSFORMER_CONFIG, build_tiny_components, build_tiny_pipeline
     if (path / "model_index.json").is_file():
         return path
     if preset.transformer is None:

@@ -16,8 +16,8 @@ from mm_grpo.encoders import (
     save_text_embeddings,
     unpack_latents,
 )
-from mm_grpo.tools import tiny
-from mm_grpo.tools.tiny import build_tiny_pipeline
+from mm_grpo.families.flux import tiny
+from mm_grpo.families.flux.tiny import build_tiny_pipeline
 
 PROMPTS = ["a photo of a cat sitting on a red chair", "A fox running through the autumn forest at night, digital art!"]
 SEQ = 16  # T5 length for the tiny pipeline (the second prompt is longer: truncation path)

@@ -1,7 +1,7 @@
 """The frozen parts around FLUX's transformer: latent packing, text encoders, VAE decode.
 
-The tiny test pipeline is built by `mm_grpo.tools.tiny` (not imported here, so that
-`python -m mm_grpo.tools.tiny` runs it cleanly)."""
+The tiny test pipeline is built by `mm_grpo.families.flux.tiny` (not imported here, so that
+`python -m mm_grpo.families.flux.tiny` runs it cleanly)."""
 from mm_grpo.encoders.latents import (
     latent_size,
     num_image_tokens,

@@ -1,4 +1,4 @@
-"""GRPO of FLUX, or of MindSpeed-MM's own Wan2.1 DiT (`"model_id": "wandit"`, mm_grpo/mindspeed_mm/wan.py),
+"""GRPO of FLUX, or of MindSpeed-MM's own Wan2.1 DiT (`"model_id": "wandit"`, mm_grpo/families/wan/mindspeed_mm.py),
 inside MindSpeed-MM's own `pretrain` (its fork of Megatron-LM's loop).
 
     torchrun $DISTRIBUTED_ARGS -m mm_grpo.mindspeed_mm.grpo $GPT_ARGS $MM_ARGS $GRPO_ARGS $OUTPUT_ARGS
@@ -58,7 +58,8 @@ from megatron.core.enums import ModelType
 from megatron.training import get_args
 
 import mm_grpo.mindspeed_mm.registry  # noqa: F401  (`"model_id": "flux"` in MindSpeed-MM's predictor mapping)
-from mm_grpo.mindspeed_mm import lora, wan
+from mm_grpo.families.wan import mindspeed_mm as wan
+from mm_grpo.mindspeed_mm import lora
 from mm_grpo.checkpoint import resume
 from mm_grpo.data import PromptStream
 from mm_grpo.files.jsonfile import load_json

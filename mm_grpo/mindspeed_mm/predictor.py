@@ -19,6 +19,7 @@ from mm_grpo.encoders.latents import VAE_SCALE_FACTOR, pack_latents, prepare_lat
 from mm_grpo.models.flux import layout
 from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
 from mm_grpo.models.flux.hf_weights import copy_hf_weights
+from mm_grpo.parallel.grad_scale import scale_grad
 from mm_grpo.models.flux.model import FluxTransformer
 from mm_grpo.runtime.predictor_block import flux_config_from_block
 
@@ -147,22 +148,6 @@ class FluxPredictor(FluxTransformer):
         if not is_diffusers_state_dict(state_dict):
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
         return load_diffusers_state_dict(self, state_dict, strict)
-
-
-class _GradScale(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
-def scale_grad(x, scale):
-    """x, with its gradient multiplied by `scale` on the way back."""
-    return x if scale == 1 else _GradScale.apply(x, scale)
 
 
 def _text_features(prompt):

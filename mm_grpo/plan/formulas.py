@@ -414,7 +414,7 @@ def recompute_bytes(config, job, layout, stage):
 # Gradients alive at the peak of a micro-batch's backward beyond the saved activations, in values
 # per token of hidden size D: measured in fp32 on the whole trainer before the bf16 layout, the
 # train-phase peak of the single-rank bench run less the held memory and the saved activations
-# (bench/plan_validate.py, docs/scaling.md): 3.9D. Wan's formulas (wan.py) use it; FLUX's now use
+# (bench/plan_validate.py, docs/scaling.md): 3.9D. Wan's formulas (families/wan/plan.py) use it; FLUX's now use
 # the per-block measurement below.
 BACKWARD_WORKING_VALUES_PER_TOKEN = 4
 # Bytes per token and hidden unit alive at the peak of a recomputed block's forward + backward beyond

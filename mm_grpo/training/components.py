@@ -20,6 +20,7 @@ runtime/predictor_block.py, a reward's by its config class); `check_model_config
 """
 import os
 
+from mm_grpo.configs import DEFAULT_IMAGE_SIZE, MODEL_FLAG, block, configured_size  # noqa: F401
 from mm_grpo.data import PromptStream, read_prompts
 from mm_grpo.encoders.latents import token_grid
 from mm_grpo.grpo.schedule import GRPOSchedule
@@ -29,13 +30,11 @@ from mm_grpo.runtime.denoiser import FluxDenoiser, FluxGuidance
 from mm_grpo.runtime.predictor_block import KNOWN_KEYS as FLUX_PREDICTOR_KEYS
 from mm_grpo.settings import check_keys
 
-MODEL_FLAG = "--mm-model"  # the flag that names model.json, in errors
-DEFAULT_IMAGE_SIZE = (64, 64)  # when neither the flags nor model.json's image_size name one: the tiny demo's
 
 # The keys of each block mm-grpo reads. `model_id` and `comment` are read by nobody: MindSpeed-MM's
 # block names (the shipped configs carry them) and notes for the reader.
 MODEL_KEYS = ("comment", "ae", "text_encoder", "predictor", "reward", "image_size",
-              "num_frames")  # num_frames: Wan's video length (mindspeed_mm/wan.py)
+              "num_frames")  # num_frames: Wan's video length (mm_grpo/families/wan/mindspeed_mm.py)
 TEXT_ENCODER_KEYS = ("model_id", "from_pretrained", "max_sequence_length", "embeddings_cache")
 AE_KEYS = ("model_id", "from_pretrained")
 FLUX_MODEL_IDS = (None, "flux")  # predictor blocks of FLUX (mm-grpo's trainers read no model_id)
@@ -75,12 +74,6 @@ def resolve_paths(config, base_dir):
     if isinstance(config, str):
         return _expand(config)
     return config
-
-
-def block(config, name, source):
-    if name not in config:
-        raise ValueError(f"{source} has no {name!r} block")
-    return config[name]
 
 
 def check_model_config(model_cfg, source=MODEL_FLAG):
@@ -151,8 +144,7 @@ def decoder(ae_block, device, dtype):
 def image_size(model_cfg, height=None, width=None) -> tuple:
     """(height, width) of the generated images: the flags, else model.json's image_size, else the
     default; refused in one line if FLUX's latent layout (VAE factor x 2x2 packing) does not divide it."""
-    default = model_cfg.get("image_size", DEFAULT_IMAGE_SIZE)
-    height, width = height or default[0], width or default[1]
+    height, width = configured_size(model_cfg, height, width)
     token_grid(height, width)
     return height, width
 
@@ -175,7 +167,7 @@ def flux_parts(model_cfg, settings, policy, device, dtype, guidance: FluxGuidanc
 def grpo_schedule(settings, policy, model_cfg, reward, device, dtype, guidance, schedule_cls=GRPOSchedule,
                   ref_policy=None, old_policy=None, parts=flux_parts) -> GRPOSchedule:
     """The GRPO schedule of a run: `policy` (this rank's chunks), the reward `grpo_reward` built and the
-    model family's `parts` (conditioner, decoder, denoiser: FLUX's, or mindspeed_mm/wan.py's) with its
+    model family's `parts` (conditioner, decoder, denoiser: FLUX's, or mm_grpo/families/wan/mindspeed_mm.py's) with its
     `guidance` settings; `ref_policy` for the KL term, `old_policy` the sampler."""
     conditioner_fn, decoder_fn, denoiser = parts(model_cfg, settings, policy, device, dtype, guidance)
     return schedule_cls(settings, policy, conditioner=conditioner_fn, decoder=decoder_fn, reward=reward,

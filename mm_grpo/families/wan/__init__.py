@@ -1,0 +1,1 @@
+"""Wan2.1 text-to-video."""
