@@ -291,7 +291,7 @@ class GRPOInPretrain:
             self.lock = run_guard.prepare_save_folder(args.save, run_guard.checkpoint_bytes(self.policy))
         device = mm_grpo.get_platform().device
         dtype = torch.bfloat16 if args.bf16 else torch.float32
-        parts = wan.wan_parts if wan.is_wan(launch.model_cfg) else components.flux_parts
+        parts = wan.parts if wan.is_wan(launch.model_cfg) else components.flux_parts
         self.schedule = components.grpo_schedule(launch.settings, self.policy, launch.model_cfg, launch.reward,
                                                  device, dtype, launch.guidance,
                                                  ref_policy=self.reference_policy(args, device), parts=parts)

@@ -234,7 +234,7 @@ class WanDenoiser(Denoiser):
         return v
 
 
-def wan_parts(model_cfg, settings, policy, device, dtype, guidance: WanGuidance):
+def parts(model_cfg, settings, policy, device, dtype, guidance: WanGuidance):
     """(conditioner, decoder, denoiser) of a Wan run: umT5 and Wan's VAE from the `text_encoder` and
     `ae` blocks' diffusers Wan pipeline folder, and the denoiser over model.json's video size."""
     text = block(model_cfg, "text_encoder", MODEL_FLAG)
