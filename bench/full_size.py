@@ -91,7 +91,7 @@ def bf16_velocity_error(chunks, config, paths, height, device) -> dict:
     """Velocity of two samples in bf16 against fp32 compute, same (fp32) weights."""
     from mm_grpo.encoders.latents import num_image_tokens, token_grid
     from mm_grpo.encoders.text import TextEmbeddingCache
-    from mm_grpo.runtime.chunks import conditioning, make_velocity_fn
+    from mm_grpo.families.flux.chunks import conditioning, make_velocity_fn
     text = TextEmbeddingCache(paths["cache"]).get(PROMPTS[:2], device=device)
     cond = conditioning(text, token_grid(height, height), 3.5, device)
     g = torch.Generator(device=device).manual_seed(0)
@@ -192,7 +192,7 @@ def build(args, platform, config, paths, result) -> Run:
     the optimizer: as the trainer builds them (training/trainable.py), with random weights."""
     from mm_grpo.models.flux import lora
     from mm_grpo.parallel import ParallelConfig, initialize_parallel
-    from mm_grpo.runtime.chunks import build_model_chunks
+    from mm_grpo.families.flux.chunks import build_model_chunks
     from mm_grpo.seeding import DEFAULT_SEED
     from mm_grpo.training.trainable import attach_lora, optimize
     accelerator = getattr(torch, platform.name) if platform.name != "cpu" else None
@@ -222,7 +222,7 @@ def build(args, platform, config, paths, result) -> Run:
 def run_size(run: Run, size: int, micro_batch: int, iteration: int, warmup: bool, profile: bool) -> int:
     """Iterations at one size and micro-batch (a warm-up first if `warmup`), summarised into
     result["sizes"]; returns the next iteration number."""
-    from mm_grpo.runtime.denoiser import FluxGuidance
+    from mm_grpo.families.flux.denoiser import FluxGuidance
     from mm_grpo.training import components as trainer_components
     from mm_grpo.training.train_grpo import grpo_iteration
     args, device = run.args, run.platform.device
@@ -610,7 +610,7 @@ class Anchors:
         then LoRA as the trainer attaches it under --bf16 (frozen bf16 base) and the eager timings."""
         from mm_grpo.models.flux import lora
         from mm_grpo.parallel import ParallelConfig, initialize_parallel
-        from mm_grpo.runtime.chunks import build_model_chunks, load_hf_weights_into_chunks
+        from mm_grpo.families.flux.chunks import build_model_chunks, load_hf_weights_into_chunks
         from mm_grpo.seeding import DEFAULT_SEED
         from mm_grpo.training.trainable import attach_lora
         start = time.perf_counter()

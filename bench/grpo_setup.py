@@ -118,10 +118,11 @@ def model_json(preset: Preset, paths: dict, reward: Optional[list] = None) -> di
 
 def components(preset: Preset, paths: dict, device):
     """(conditioner, decoder, reward) as the trainer builds them."""
+    from mm_grpo.families.flux import parts
     from mm_grpo.training import components as trainer_components
     blocks = model_json(preset, paths)
-    return (trainer_components.conditioner(blocks["text_encoder"], device, preset.dtype),
-            trainer_components.decoder(blocks["ae"], device, preset.dtype),
+    return (parts.conditioner(blocks["text_encoder"], device, preset.dtype),
+            parts.decoder(blocks["ae"], device, preset.dtype),
             trainer_components.grpo_reward(blocks, PROMPTS, device))
 
 
@@ -141,10 +142,10 @@ def build_mm_grpo(preset: Preset, paths: dict, device, schedule_cls=None, lora_c
     import functools
     from mm_grpo.grpo.schedule import GRPOSchedule
     from mm_grpo.models.flux import FluxConfig
-    from mm_grpo.runtime.chunks import load_pretrained
+    from mm_grpo.families.flux.chunks import load_pretrained
     from mm_grpo.parallel import ParallelConfig, initialize_parallel
-    from mm_grpo.runtime.chunks import build_model_chunks
-    from mm_grpo.runtime.denoiser import FluxGuidance
+    from mm_grpo.families.flux.chunks import build_model_chunks
+    from mm_grpo.families.flux.denoiser import FluxGuidance
     from mm_grpo.training import components as trainer_components
     from mm_grpo.training.train_grpo import grpo_iteration
     from mm_grpo.training.trainable import attach_lora, optimize

@@ -33,16 +33,16 @@ import torch
 from mm_grpo.data.motion import MIN_IMAGE_SIZE, MotionSpec, enumerate_prompts, render_video
 from mm_grpo.data.prompts import read_prompts
 from mm_grpo.data.shapes import BACKGROUNDS
+from mm_grpo.families.flux import tiny, tiny_shapes
+from mm_grpo.families.wan import tiny as tiny_wan
 from mm_grpo.families.wan.encoders import (TIMESTEP_SCALE, UMT5Conditioner, WanVaeDecoder, component_folder,
                                            encode_video_latents, load_tokenizer, video_latent_shape)
 from mm_grpo.files.atomic import atomic_dir, atomic_write_text
+from mm_grpo.grpo.denoiser import Denoiser
 from mm_grpo.grpo.hyperparameters import GRPOSettings
 from mm_grpo.rewards.video import motion_scores
 from mm_grpo.rollout import sigma_schedule
-from mm_grpo.runtime.denoiser import Denoiser
 from mm_grpo.settings import add_setting_args, from_args, setting
-from mm_grpo.families.flux import tiny, tiny_shapes
-from mm_grpo.families.wan import tiny as tiny_wan
 from mm_grpo.tools.train_tiny_vae import WAN_LATENT_CHANNELS
 from mm_grpo.training.evaluation import Evaluator
 

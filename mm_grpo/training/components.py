@@ -15,7 +15,7 @@ taken from the JSON file's folder; a path that starts with a variable ("$PIPELIN
 taken from the working directory, as the shell that set the variable would.
 
 Every key of a block mm-grpo reads is declared here, beside its reader (the predictor's in
-runtime/predictor_block.py, a reward's by its config class); `check_model_config` and
+mm_grpo/families/flux/predictor_block.py, a reward's by its config class); `check_model_config` and
 `check_data_config` refuse any other in one line naming the nearest known key, before any work.
 """
 import os
@@ -23,11 +23,11 @@ import os
 from mm_grpo.configs import DEFAULT_IMAGE_SIZE, MODEL_FLAG, block, configured_size  # noqa: F401
 from mm_grpo.data import PromptStream, read_prompts
 from mm_grpo.encoders.latents import token_grid
+from mm_grpo.families.flux.parts import parts as flux_parts
+from mm_grpo.families.flux.predictor_block import KNOWN_KEYS as FLUX_PREDICTOR_KEYS
 from mm_grpo.grpo.schedule import GRPOSchedule
 from mm_grpo.rewards.base import RewardConfig
 from mm_grpo.rewards.combined import CombinedReward
-from mm_grpo.runtime.denoiser import FluxDenoiser, FluxGuidance
-from mm_grpo.runtime.predictor_block import KNOWN_KEYS as FLUX_PREDICTOR_KEYS
 from mm_grpo.settings import check_keys
 
 
@@ -114,18 +114,6 @@ def prompt_streams(data_config, source, seed):
     return train, eval_prompts
 
 
-def conditioner(text_block, device, dtype):
-    """prompts -> (prompt_embeds, pooled, txt_ids), from a precomputed cache or the encoders."""
-    if text_block.get("embeddings_cache"):
-        from mm_grpo.encoders.text import TextEmbeddingCache
-        cache = TextEmbeddingCache(text_block["embeddings_cache"])
-        return lambda prompts: cache.get(prompts, device=device)
-    from mm_grpo.encoders.text import TextEncoders
-    kwargs = {"max_sequence_length": text_block["max_sequence_length"]} if "max_sequence_length" in text_block else {}
-    encoders = TextEncoders(block(text_block, "from_pretrained", "text_encoder"), device=device, dtype=dtype, **kwargs)
-    return encoders.encode
-
-
 def check_prompts(text_block, reward, prompts):
     """Prompt-dependent errors before any work: mid-iteration each data-parallel rank conditions
     and scores only its own prompts, and an error on one would leave the others in a collective."""
@@ -133,11 +121,6 @@ def check_prompts(text_block, reward, prompts):
         from mm_grpo.encoders.text import TextEmbeddingCache
         TextEmbeddingCache(text_block["embeddings_cache"]).check(list(dict.fromkeys(prompts)))
     reward.check_prompts(prompts)
-
-
-def decoder(ae_block, device, dtype):
-    from mm_grpo.encoders.vae import VaeDecoder
-    return VaeDecoder(block(ae_block, "from_pretrained", "ae"), device=device, dtype=dtype)
 
 
 # --- one GRPO run, as every entry builds it --------------------------------------------------------
@@ -155,13 +138,6 @@ def grpo_reward(model_cfg, prompts, device) -> CombinedReward:
     reward = CombinedReward.from_configs(block(model_cfg, "reward", MODEL_FLAG), device=device)
     check_prompts(block(model_cfg, "text_encoder", MODEL_FLAG), reward, prompts)
     return reward
-
-
-def flux_parts(model_cfg, settings, policy, device, dtype, guidance: FluxGuidance):
-    """(conditioner, decoder, denoiser) of a FLUX run: model.json's text encoders and VAE decoder."""
-    return (conditioner(block(model_cfg, "text_encoder", MODEL_FLAG), device, dtype),
-            decoder(block(model_cfg, "ae", MODEL_FLAG), device, dtype),
-            FluxDenoiser.of(policy, settings.height, settings.width, guidance.guidance_scale))
 
 
 def grpo_schedule(settings, policy, model_cfg, reward, device, dtype, guidance, schedule_cls=GRPOSchedule,

@@ -6,7 +6,7 @@ under pipeline parallelism, first checks `sum(pipeline_num_layers) == num_layers
 replaces `num_layers` by the stage's count and adds `pre_process`, `post_process` and
 `global_layer_idx`. If `from_pretrained` is set it then loads that one file with its own
 `load_checkpoint` (`model.load_state_dict(sd, strict=False)`). How the block names FLUX's
-hyperparameters: mm_grpo/runtime/predictor_block.py.
+hyperparameters: mm_grpo/families/flux/predictor_block.py.
 """
 import os
 from typing import Mapping
@@ -16,12 +16,12 @@ from megatron.core import parallel_state
 from torch.nn.modules.module import _IncompatibleKeys
 
 from mm_grpo.encoders.latents import VAE_SCALE_FACTOR, pack_latents, prepare_latent_image_ids, unpack_latents
+from mm_grpo.families.flux.predictor_block import flux_config_from_block
 from mm_grpo.models.flux import layout
 from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
 from mm_grpo.models.flux.hf_weights import copy_hf_weights
-from mm_grpo.parallel.grad_scale import scale_grad
 from mm_grpo.models.flux.model import FluxTransformer
-from mm_grpo.runtime.predictor_block import flux_config_from_block
+from mm_grpo.parallel.grad_scale import scale_grad
 
 # MindSpeed-MM's flow-matching schedulers give timesteps on diffusers' 0..1000 scale (sigma x
 # num_train_timesteps, 1000 in every FLUX scheduler config); FLUX's forward takes sigma, as
