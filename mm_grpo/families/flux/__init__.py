@@ -1,12 +1,18 @@
 """FLUX.1 text-to-image.
 
-- denoiser and guidance: mm_grpo/families/flux/denoiser.py (`FluxDenoiser`, `FluxGuidance`: the distilled
-  guidance embedding);
-- parts: training/components.py `flux_parts(model_cfg, settings, policy, device, dtype, guidance)`
-  -> (text conditioner, VAE decoder, denoiser);
-- encoders and latents: mm_grpo/encoders/ (CLIP + T5, the VAE, latent packing);
-- planner formulas: mm_grpo/plan/formulas.py;
-- MindSpeed-MM glue: mm_grpo/families/flux/mindspeed_mm.py (FLUX as MindSpeed-MM's predictor);
+- denoiser and guidance: `denoiser.py` (`FluxDenoiser`, `FluxGuidance`: the distilled guidance
+  embedding);
+- parts: `parts.parts(model_cfg, settings, policy, device, dtype, guidance)` -> (text conditioner,
+  VAE decoder, denoiser);
+- run time: `chunks.py` (this rank's model chunks, their weights, forward / backward under
+  megatron-core's schedules, pipelined inference), `predictor_block.py` (the config a model.json
+  `predictor` block names);
+- encoders and latents: mm_grpo/encoders/ (CLIP + T5, the VAE, latent packing), and the transformer:
+  mm_grpo/models/flux/; both stay below the families, read by the checkpoint layout, the planner
+  and the compositional reward;
+- planner formulas: mm_grpo/plan/formulas.py (below the families for the same reason);
+- MindSpeed-MM glue: `mindspeed_mm.py` (FLUX as MindSpeed-MM's predictor; mm_grpo/mindspeed_mm/
+  registry.py registers it);
 - tiny builders: `tiny.py` (the tiny demo pipeline), `tiny_shapes.py` (the shapes pipeline; its data
   grammar, mm_grpo/data/shapes.py, is shared with the compositional reward).
 """
