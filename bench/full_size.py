@@ -51,7 +51,7 @@ import torch
 from bench.bench_grpo import matmul_throughput
 from bench.flops import flux_flops, grpo_iteration_flops
 from bench.grpo_setup import PROMPTS, Preset, optimizer_args
-from mm_grpo.encoders.latents import num_image_tokens
+from mm_grpo.models.flux.latents import num_image_tokens
 
 # FLUX.1's AutoencoderKL (the vae/config.json of black-forest-labs/FLUX.1-dev).
 FLUX_VAE_CONFIG = dict(
@@ -70,7 +70,7 @@ def write_frozen_parts(config, text_tokens: int, workdir: Path, tiny_vae: bool) 
     cache of random vectors at the model's text widths, one row per prompt."""
     from diffusers import AutoencoderKL
 
-    from mm_grpo.encoders.text import save_text_embeddings
+    from mm_grpo.families.flux.text import save_text_embeddings
     from mm_grpo.families.flux.tiny import VAE_CONFIG
     pipeline = workdir / ("pipeline_tiny_vae" if tiny_vae else "pipeline_flux_vae")
     if not (pipeline / "vae" / "config.json").is_file():
@@ -89,8 +89,8 @@ def write_frozen_parts(config, text_tokens: int, workdir: Path, tiny_vae: bool) 
 
 def bf16_velocity_error(chunks, config, paths, height, device) -> dict:
     """Velocity of two samples in bf16 against fp32 compute, same (fp32) weights."""
-    from mm_grpo.encoders.latents import num_image_tokens, token_grid
-    from mm_grpo.encoders.text import TextEmbeddingCache
+    from mm_grpo.models.flux.latents import num_image_tokens, token_grid
+    from mm_grpo.families.flux.text import TextEmbeddingCache
     from mm_grpo.families.flux.chunks import conditioning, make_velocity_fn
     text = TextEmbeddingCache(paths["cache"]).get(PROMPTS[:2], device=device)
     cond = conditioning(text, token_grid(height, height), 3.5, device)
@@ -354,7 +354,7 @@ class CallInputs:
 
     @classmethod
     def make(cls, config, batch: int, height: int, text_tokens: int, device, seed: int = 0) -> "CallInputs":
-        from mm_grpo.encoders.latents import prepare_latent_image_ids, token_grid
+        from mm_grpo.models.flux.latents import prepare_latent_image_ids, token_grid
         g = torch.Generator(device="cpu").manual_seed(seed)
         rnd = lambda *shape: torch.randn(*shape, generator=g).bfloat16().float().to(device)  # noqa: E731
         return cls(hidden_states=rnd(batch, num_image_tokens(height, height), config.in_channels),

@@ -95,7 +95,7 @@ def build_pipeline(preset: Preset, path: Path, seed: int = 0) -> Path:
 
 def prepare(preset: Preset, workdir: Path) -> dict:
     """Pipeline folder and text-embedding cache under `workdir` (reused when present)."""
-    from mm_grpo.encoders.text import TextEncoders, save_text_embeddings
+    from mm_grpo.families.flux.text import TextEncoders, save_text_embeddings
     workdir.mkdir(parents=True, exist_ok=True)
     pipeline = build_pipeline(preset, workdir / f"pipeline_{preset.name}")
     cache = workdir / f"text_{preset.name}.safetensors"

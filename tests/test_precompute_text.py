@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from mm_grpo.encoders.text import TextEmbeddingCache, TextEncoders
 from mm_grpo.families.flux.parts import conditioner
+from mm_grpo.families.flux.text import TextEmbeddingCache, TextEncoders
 from mm_grpo.tools.precompute_text import main
 
 

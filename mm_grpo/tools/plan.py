@@ -14,11 +14,11 @@ mm_grpo/plan/calibration.py; validation: docs/scaling.md.
 import argparse
 import sys
 
-from mm_grpo.encoders.latents import token_grid
-from mm_grpo.plan import flags, frozen_parts
-from mm_grpo.plan import formulas as f
 from mm_grpo.families.wan import plan as wan
 from mm_grpo.families.wan import plan_cli as wan_cli
+from mm_grpo.models.flux.latents import token_grid
+from mm_grpo.plan import flags, frozen_parts
+from mm_grpo.plan import formulas as f
 from mm_grpo.plan.devices import GB
 
 LAYOUT = ("tp", "pp", "sp", "dp")  # a row's layout, as the table shows it

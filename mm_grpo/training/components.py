@@ -22,10 +22,10 @@ import os
 
 from mm_grpo.configs import DEFAULT_IMAGE_SIZE, MODEL_FLAG, block, configured_size  # noqa: F401
 from mm_grpo.data import PromptStream, read_prompts
-from mm_grpo.encoders.latents import token_grid
 from mm_grpo.families.flux.parts import parts as flux_parts
 from mm_grpo.families.flux.predictor_block import KNOWN_KEYS as FLUX_PREDICTOR_KEYS
 from mm_grpo.grpo.schedule import GRPOSchedule
+from mm_grpo.models.flux.latents import token_grid
 from mm_grpo.rewards.base import RewardConfig
 from mm_grpo.rewards.combined import CombinedReward
 from mm_grpo.settings import check_keys
@@ -118,7 +118,7 @@ def check_prompts(text_block, reward, prompts):
     """Prompt-dependent errors before any work: mid-iteration each data-parallel rank conditions
     and scores only its own prompts, and an error on one would leave the others in a collective."""
     if text_block.get("embeddings_cache"):
-        from mm_grpo.encoders.text import TextEmbeddingCache
+        from mm_grpo.families.flux.text import TextEmbeddingCache
         TextEmbeddingCache(text_block["embeddings_cache"]).check(list(dict.fromkeys(prompts)))
     reward.check_prompts(prompts)
 

@@ -21,12 +21,12 @@ from megatron.core import parallel_state
 
 from mm_grpo.checkpoint.resume import ResumeRefused
 from mm_grpo.data.image_captions import ImageCaptionDataset
-from mm_grpo.encoders.latents import LATENT_FACTOR, VAE_SCALE_FACTOR, pack_latents, token_grid
-from mm_grpo.encoders.vae import encode_latents
 from mm_grpo.families.flux import parts as flux_parts
 from mm_grpo.families.flux.chunks import conditioning, forward_backward
 from mm_grpo.families.flux.denoiser import FluxDenoiser, FluxGuidance
+from mm_grpo.families.flux.vae import encode_latents
 from mm_grpo.flow import FlowMatchingSettings, flow_matching_loss, noisy_latents, sample_sigmas
+from mm_grpo.models.flux.latents import LATENT_FACTOR, VAE_SCALE_FACTOR, pack_latents, token_grid
 from mm_grpo.parallel import initialize_parallel
 from mm_grpo.seeding import DEFAULT_SEED, Stream, seeded_generator
 from mm_grpo.settings import from_args, setting
@@ -83,7 +83,7 @@ class FeatureEncoder:
     caption is encoded once per run (memory grows with the data: for small datasets)."""
 
     def __init__(self, ae_block, text_block, dataset, in_channels, device, dtype, cache=False):
-        from mm_grpo.encoders.vae import load_vae
+        from mm_grpo.families.flux.vae import load_vae
         self.vae = load_vae(components.block(ae_block, "from_pretrained", "ae"), device=device)
         packed = 4 * self.vae.config.latent_channels
         if packed != in_channels:

@@ -136,7 +136,7 @@ def _our_flow_loss(ref, drawn, adapters=None):
     from mm_grpo.flow.matching import flow_matching_loss
     from mm_grpo.models.flux import FluxTransformer
     from mm_grpo.models.flux.hf_weights import load_hf_weights
-    from mm_grpo.encoders.latents import pack_latents, prepare_latent_image_ids
+    from mm_grpo.models.flux.latents import pack_latents, prepare_latent_image_ids
     from tests.sora_helpers import feature_batch
     batch = feature_batch(CONFIG)
     noised, noise, timestep = drawn

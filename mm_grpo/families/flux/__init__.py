@@ -7,9 +7,9 @@
 - run time: `chunks.py` (this rank's model chunks, their weights, forward / backward under
   megatron-core's schedules, pipelined inference), `predictor_block.py` (the config a model.json
   `predictor` block names);
-- encoders and latents: mm_grpo/encoders/ (CLIP + T5, the VAE, latent packing), and the transformer:
-  mm_grpo/models/flux/; both stay below the families, read by the checkpoint layout, the planner
-  and the compositional reward;
+- encoders and latents: `text.py` (CLIP + T5, the embedding cache), `vae.py` (the VAE decoder);
+  latent packing is the transformer's input layout, with the transformer in mm_grpo/models/flux/
+  (`latents.py`): both stay below the families, read by the checkpoint layout and the planner;
 - planner formulas: mm_grpo/plan/formulas.py (below the families for the same reason);
 - MindSpeed-MM glue: `mindspeed_mm.py` (FLUX as MindSpeed-MM's predictor; mm_grpo/mindspeed_mm/
   registry.py registers it);

@@ -15,11 +15,11 @@ import torch
 from megatron.core import parallel_state
 from torch.nn.modules.module import _IncompatibleKeys
 
-from mm_grpo.encoders.latents import VAE_SCALE_FACTOR, pack_latents, prepare_latent_image_ids, unpack_latents
 from mm_grpo.families.flux.predictor_block import flux_config_from_block
 from mm_grpo.models.flux import layout
 from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
 from mm_grpo.models.flux.hf_weights import copy_hf_weights
+from mm_grpo.models.flux.latents import VAE_SCALE_FACTOR, pack_latents, prepare_latent_image_ids, unpack_latents
 from mm_grpo.models.flux.model import FluxTransformer
 from mm_grpo.parallel.grad_scale import scale_grad
 

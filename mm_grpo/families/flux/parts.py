@@ -7,17 +7,17 @@ from mm_grpo.families.flux.denoiser import FluxDenoiser, FluxGuidance
 def conditioner(text_block, device, dtype):
     """prompts -> (prompt_embeds, pooled, txt_ids), from a precomputed cache or the encoders."""
     if text_block.get("embeddings_cache"):
-        from mm_grpo.encoders.text import TextEmbeddingCache
+        from mm_grpo.families.flux.text import TextEmbeddingCache
         cache = TextEmbeddingCache(text_block["embeddings_cache"])
         return lambda prompts: cache.get(prompts, device=device)
-    from mm_grpo.encoders.text import TextEncoders
+    from mm_grpo.families.flux.text import TextEncoders
     kwargs = {"max_sequence_length": text_block["max_sequence_length"]} if "max_sequence_length" in text_block else {}
     encoders = TextEncoders(block(text_block, "from_pretrained", "text_encoder"), device=device, dtype=dtype, **kwargs)
     return encoders.encode
 
 
 def decoder(ae_block, device, dtype):
-    from mm_grpo.encoders.vae import VaeDecoder
+    from mm_grpo.families.flux.vae import VaeDecoder
     return VaeDecoder(block(ae_block, "from_pretrained", "ae"), device=device, dtype=dtype)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from mm_grpo.encoders.text import transformers_5
+from mm_grpo.families.flux.text import transformers_5
 from mm_grpo.files.atomic import atomic_dir
 from mm_grpo.models.flux.config import PRESETS
 
