@@ -36,5 +36,5 @@ setup(
         "npu": ["torch_npu", "mindspeed"],
     },
     entry_points={"console_scripts": ["mm-convert = converters.convert_cli:main",
-                                      "mm-grpo = mm_grpo.plan.cli:console"]},
+                                      "mm-grpo = mm_grpo.tools.plan:console"]},
 )

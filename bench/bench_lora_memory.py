@@ -17,11 +17,11 @@ import torch
 import mm_grpo  # noqa: F401  (platform first)
 from bench.bench_parallel_memory import MiB, SavedActivationMeter
 from bench.grpo_setup import PRESETS, optimizer_args
-from mm_grpo.encoders.latents import num_image_tokens, token_grid
+from mm_grpo.families.flux.chunks import build_model_chunks, forward_backward
 from mm_grpo.models.flux import FluxConfig, lora
 from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
+from mm_grpo.models.flux.latents import num_image_tokens, token_grid
 from mm_grpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
-from mm_grpo.runtime.chunks import build_model_chunks, forward_backward
 from mm_grpo.training.trainable import attach_lora, optimize
 
 TARGETS = lora.RECOMMENDED_TARGETS
@@ -87,7 +87,7 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     preset = PRESETS[args.preset]
-    from mm_grpo.tools.tiny import TRANSFORMER_CONFIG
+    from mm_grpo.families.flux.tiny import TRANSFORMER_CONFIG
     config = FluxConfig.from_diffusers_config(dict(TRANSFORMER_CONFIG, **preset.transformer))  # as grpo_setup builds it
     rows = {"full": measure(config, preset),
             f"LoRA r={args.lora_r}": measure(config, preset, lora.LoRAConfig(args.lora_r, args.lora_alpha, TARGETS))}

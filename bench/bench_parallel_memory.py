@@ -29,11 +29,11 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 import mm_grpo  # noqa: F401  (platform first)
+from mm_grpo.families.flux.chunks import build_model_chunks, forward_backward
 from mm_grpo.models.flux import FluxConfig
 from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
 from mm_grpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 from mm_grpo.parallel.state import init_process_group
-from mm_grpo.runtime.chunks import build_model_chunks, forward_backward
 
 LAYOUTS = {
     "single": ParallelConfig(), "TP2": ParallelConfig(tp=2), "TP4": ParallelConfig(tp=4),

@@ -51,7 +51,7 @@ import torch
 from bench.bench_grpo import matmul_throughput
 from bench.flops import flux_flops, grpo_iteration_flops
 from bench.grpo_setup import PROMPTS, Preset, optimizer_args
-from mm_grpo.encoders.latents import num_image_tokens
+from mm_grpo.models.flux.latents import num_image_tokens
 
 # FLUX.1's AutoencoderKL (the vae/config.json of black-forest-labs/FLUX.1-dev).
 FLUX_VAE_CONFIG = dict(
@@ -70,8 +70,8 @@ def write_frozen_parts(config, text_tokens: int, workdir: Path, tiny_vae: bool) 
     cache of random vectors at the model's text widths, one row per prompt."""
     from diffusers import AutoencoderKL
 
-    from mm_grpo.encoders.text import save_text_embeddings
-    from mm_grpo.tools.tiny import VAE_CONFIG
+    from mm_grpo.families.flux.text import save_text_embeddings
+    from mm_grpo.families.flux.tiny import VAE_CONFIG
     pipeline = workdir / ("pipeline_tiny_vae" if tiny_vae else "pipeline_flux_vae")
     if not (pipeline / "vae" / "config.json").is_file():
         torch.manual_seed(0)
@@ -89,9 +89,9 @@ def write_frozen_parts(config, text_tokens: int, workdir: Path, tiny_vae: bool) 
 
 def bf16_velocity_error(chunks, config, paths, height, device) -> dict:
     """Velocity of two samples in bf16 against fp32 compute, same (fp32) weights."""
-    from mm_grpo.encoders.latents import num_image_tokens, token_grid
-    from mm_grpo.encoders.text import TextEmbeddingCache
-    from mm_grpo.runtime.chunks import conditioning, make_velocity_fn
+    from mm_grpo.models.flux.latents import num_image_tokens, token_grid
+    from mm_grpo.families.flux.text import TextEmbeddingCache
+    from mm_grpo.families.flux.chunks import conditioning, make_velocity_fn
     text = TextEmbeddingCache(paths["cache"]).get(PROMPTS[:2], device=device)
     cond = conditioning(text, token_grid(height, height), 3.5, device)
     g = torch.Generator(device=device).manual_seed(0)
@@ -123,7 +123,7 @@ def planned(model: str, size: int, micro_batch: int, lora_rank: int, text_tokens
             compiled: bool, device: str, matmul_flops=None) -> dict:
     """`mm-grpo plan`'s row for this job on one card (TP = PP = SP = 1), at the matmul rate measured in
     this run where there is one."""
-    from mm_grpo.plan.cli import build_parser, plan
+    from mm_grpo.tools.plan import build_parser, plan
     argv = ["--model", model, "--height", str(size), "--micro-batch-size", str(micro_batch),
             "--lora-rank", str(lora_rank), "--text-tokens", str(text_tokens), "--reward", REWARD,
             "--devices", "1", "--device", device, "--tp", "1", "--pp", "1", "--sp", "1",
@@ -192,7 +192,7 @@ def build(args, platform, config, paths, result) -> Run:
     the optimizer: as the trainer builds them (training/trainable.py), with random weights."""
     from mm_grpo.models.flux import lora
     from mm_grpo.parallel import ParallelConfig, initialize_parallel
-    from mm_grpo.runtime.chunks import build_model_chunks
+    from mm_grpo.families.flux.chunks import build_model_chunks
     from mm_grpo.seeding import DEFAULT_SEED
     from mm_grpo.training.trainable import attach_lora, optimize
     accelerator = getattr(torch, platform.name) if platform.name != "cpu" else None
@@ -222,7 +222,7 @@ def build(args, platform, config, paths, result) -> Run:
 def run_size(run: Run, size: int, micro_batch: int, iteration: int, warmup: bool, profile: bool) -> int:
     """Iterations at one size and micro-batch (a warm-up first if `warmup`), summarised into
     result["sizes"]; returns the next iteration number."""
-    from mm_grpo.runtime.denoiser import FluxGuidance
+    from mm_grpo.families.flux.denoiser import FluxGuidance
     from mm_grpo.training import components as trainer_components
     from mm_grpo.training.train_grpo import grpo_iteration
     args, device = run.args, run.platform.device
@@ -354,7 +354,7 @@ class CallInputs:
 
     @classmethod
     def make(cls, config, batch: int, height: int, text_tokens: int, device, seed: int = 0) -> "CallInputs":
-        from mm_grpo.encoders.latents import prepare_latent_image_ids, token_grid
+        from mm_grpo.models.flux.latents import prepare_latent_image_ids, token_grid
         g = torch.Generator(device="cpu").manual_seed(seed)
         rnd = lambda *shape: torch.randn(*shape, generator=g).bfloat16().float().to(device)  # noqa: E731
         return cls(hidden_states=rnd(batch, num_image_tokens(height, height), config.in_channels),
@@ -610,7 +610,7 @@ class Anchors:
         then LoRA as the trainer attaches it under --bf16 (frozen bf16 base) and the eager timings."""
         from mm_grpo.models.flux import lora
         from mm_grpo.parallel import ParallelConfig, initialize_parallel
-        from mm_grpo.runtime.chunks import build_model_chunks, load_hf_weights_into_chunks
+        from mm_grpo.families.flux.chunks import build_model_chunks, load_hf_weights_into_chunks
         from mm_grpo.seeding import DEFAULT_SEED
         from mm_grpo.training.trainable import attach_lora
         start = time.perf_counter()

@@ -72,7 +72,7 @@ def main(argv=None):
     if a.batches < 4 or a.batches % 2:
         raise SystemExit(f"grad_snr: --batches must be even and >= 4, got {a.batches}")
     from mm_grpo.parallel import ParallelConfig, initialize_parallel
-    from mm_grpo.runtime.chunks import forward_backward
+    from mm_grpo.families.flux.chunks import forward_backward
     from mm_grpo.training.arguments import parse_args
     from mm_grpo.training.train_grpo import GRPORun
     initialize_parallel(ParallelConfig())

@@ -77,7 +77,7 @@ PRESETS = {
 
 def build_pipeline(preset: Preset, path: Path, seed: int = 0) -> Path:
     """The tiny pipeline with the preset's transformer (seeded), written once to `path`."""
-    from mm_grpo.tools.tiny import TRANSFORMER_CONFIG, build_tiny_components, build_tiny_pipeline
+    from mm_grpo.families.flux.tiny import TRANSFORMER_CONFIG, build_tiny_components, build_tiny_pipeline
     if (path / "model_index.json").is_file():
         return path
     if preset.transformer is None:
@@ -95,7 +95,7 @@ def build_pipeline(preset: Preset, path: Path, seed: int = 0) -> Path:
 
 def prepare(preset: Preset, workdir: Path) -> dict:
     """Pipeline folder and text-embedding cache under `workdir` (reused when present)."""
-    from mm_grpo.encoders.text import TextEncoders, save_text_embeddings
+    from mm_grpo.families.flux.text import TextEncoders, save_text_embeddings
     workdir.mkdir(parents=True, exist_ok=True)
     pipeline = build_pipeline(preset, workdir / f"pipeline_{preset.name}")
     cache = workdir / f"text_{preset.name}.safetensors"
@@ -118,10 +118,11 @@ def model_json(preset: Preset, paths: dict, reward: Optional[list] = None) -> di
 
 def components(preset: Preset, paths: dict, device):
     """(conditioner, decoder, reward) as the trainer builds them."""
+    from mm_grpo.families.flux import parts
     from mm_grpo.training import components as trainer_components
     blocks = model_json(preset, paths)
-    return (trainer_components.conditioner(blocks["text_encoder"], device, preset.dtype),
-            trainer_components.decoder(blocks["ae"], device, preset.dtype),
+    return (parts.conditioner(blocks["text_encoder"], device, preset.dtype),
+            parts.decoder(blocks["ae"], device, preset.dtype),
             trainer_components.grpo_reward(blocks, PROMPTS, device))
 
 
@@ -141,10 +142,10 @@ def build_mm_grpo(preset: Preset, paths: dict, device, schedule_cls=None, lora_c
     import functools
     from mm_grpo.grpo.schedule import GRPOSchedule
     from mm_grpo.models.flux import FluxConfig
-    from mm_grpo.runtime.chunks import load_pretrained
+    from mm_grpo.families.flux.chunks import load_pretrained
     from mm_grpo.parallel import ParallelConfig, initialize_parallel
-    from mm_grpo.runtime.chunks import build_model_chunks
-    from mm_grpo.runtime.denoiser import FluxGuidance
+    from mm_grpo.families.flux.chunks import build_model_chunks
+    from mm_grpo.families.flux.denoiser import FluxGuidance
     from mm_grpo.training import components as trainer_components
     from mm_grpo.training.train_grpo import grpo_iteration
     from mm_grpo.training.trainable import attach_lora, optimize

@@ -86,10 +86,10 @@ class Setup:
         from bench.grpo_setup import optimizer_args
         from mm_grpo.grpo.hyperparameters import GRPOSettings
         from mm_grpo.grpo.schedule import GRPOSchedule
-        from mm_grpo.runtime.denoiser import FluxDenoiser
+        from mm_grpo.families.flux.denoiser import FluxDenoiser
         from mm_grpo.models.flux import FluxConfig, lora
         from mm_grpo.parallel import ParallelConfig, initialize_parallel
-        from mm_grpo.runtime.chunks import build_model_chunks
+        from mm_grpo.families.flux.chunks import build_model_chunks
         from mm_grpo.seeding import DEFAULT_SEED
         from mm_grpo.training.trainable import attach_lora, optimize
         self.platform = mm_grpo.get_platform()
@@ -136,7 +136,7 @@ class Setup:
 
     def model_inputs(self, x, sigma) -> List[Dict]:
         """The forward kwargs of each micro-batch at latents x [B, S, C] and sigma [B]."""
-        from mm_grpo.runtime.chunks import PER_SAMPLE_CONDITIONING
+        from mm_grpo.families.flux.chunks import PER_SAMPLE_CONDITIONING
         m, cond = self.micro_batch, self.cond
         return [dict({k: cond[k][i:i + m] for k in PER_SAMPLE_CONDITIONING if cond.get(k) is not None},
                      hidden_states=x[i:i + m], timestep=sigma[i:i + m], img_ids=cond["img_ids"],
@@ -156,14 +156,16 @@ class Setup:
 
     def forward_backward(self, micro_batches):
         """The micro-batches through forward_backward with the loss, as optimizer_step runs them."""
-        from mm_grpo.runtime.chunks import forward_backward
+        from mm_grpo.families.flux.chunks import forward_backward
         for chunk in self.policy:
             chunk.zero_grad_buffer()
         return forward_backward(self.policy, micro_batches, self.schedule.loss_fn)
 
     def optimizer_step(self, micro_batches):
+        from mm_grpo.families.flux.chunks import forward_backward
         from mm_grpo.training.loop import optimizer_step
-        return optimizer_step(self.policy, self.optimizer, self.scheduler, micro_batches, self.schedule.loss_fn)
+        return optimizer_step(self.policy, self.optimizer, self.scheduler, micro_batches, self.schedule.loss_fn,
+                              forward_backward=forward_backward)
 
     def model_forward_backward(self, micro_batches, grads):
         """The model's forward and a backward of its output alone on each micro-batch (the same
@@ -175,7 +177,7 @@ class Setup:
 
 
 def forward_inputs(mb: Dict) -> Dict:
-    from mm_grpo.runtime.chunks import FORWARD_KEYS
+    from mm_grpo.families.flux.chunks import FORWARD_KEYS
     return {k: mb[k] for k in FORWARD_KEYS if k in mb}
 
 

@@ -251,7 +251,7 @@ def probe_vae():
     FLUX.1 VAE architecture (random weights; the slope between 64 and 128 px, where the full-resolution
     levels dominate) and the bench pipeline's tiny VAE at 256 px, both fp32."""
     from diffusers import AutoencoderKL
-    from mm_grpo.encoders.vae import VaeDecoder
+    from mm_grpo.families.flux.vae import VaeDecoder
     torch.manual_seed(0)
     flux = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
                          up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[128, 256, 512, 512],

@@ -82,7 +82,7 @@ TIMES = ("time_rollout", "time_reward", "time_train")
 @torch.no_grad()
 def evaluate(schedule, samples_per_prompt=2):
     """Mean reward of deterministic ODE samples of every prompt with fixed noise."""
-    from mm_grpo.runtime.chunks import make_velocity_fn
+    from mm_grpo.families.flux.chunks import make_velocity_fn
     from mm_grpo.rollout import rollout
     prompts = [p for p in PROMPTS for _ in range(samples_per_prompt)]
     cond = schedule.conditioning(prompts)

@@ -19,12 +19,12 @@ from safetensors.torch import save_file
 from mm_grpo.checkpoint.adapters import LORA_KEY, AdapterCheckpoint
 from mm_grpo.checkpoint.paths import SHARD_FILE, iteration_dir, shard_folders
 from mm_grpo.checkpoint.shard_io import ShardReader
+from mm_grpo.families.flux.predictor_block import flux_config_from_block
 from mm_grpo.files.atomic import atomic_dir
 from mm_grpo.models.flux import layout
 from mm_grpo.models.flux import lora as flux_lora
 from mm_grpo.models.flux.config import FluxConfig
 from mm_grpo.models.flux.lora_hf import LORA_FILE, to_diffusers
-from mm_grpo.runtime.predictor_block import flux_config_from_block
 
 PEFT_ADAPTER_SUFFIX = ".default.weight"  # peft's name of an adapter's weight (its default adapter)
 

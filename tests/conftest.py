@@ -15,13 +15,13 @@ if has_megatron_training():  # MindSpeed-MM's environment: MindSpeed's adaptor b
 
 import pytest
 
-from mm_grpo.tools.tiny import build_tiny_pipeline
+from mm_grpo.families.flux.tiny import build_tiny_pipeline
 from tests.threads import threads_over_bound
 
 
 @pytest.fixture(scope="session")
 def tiny_pipeline_dir(tmp_path_factory):
-    """A tiny diffusers FLUX pipeline folder (mm_grpo.tools.tiny, seed 0), built once per session."""
+    """A tiny diffusers FLUX pipeline folder (mm_grpo.families.flux.tiny, seed 0), built once per session."""
     return build_tiny_pipeline(tmp_path_factory.mktemp("tiny_flux") / "pipeline", seed=0)
 
 

@@ -32,7 +32,7 @@ def _run(tmp_path, script=SCRIPT, **variables):
 
 def test_the_recipe_builds_a_pipeline_diffusers_samples(tmp_path):
     from diffusers import WanPipeline
-    from mm_grpo.encoders.wan import load_tokenizer
+    from mm_grpo.families.wan.encoders import load_tokenizer
     require_testbed(needs_megatron_training=True)
     out, work = tmp_path / "tiny_motion", tmp_path / "work"
     proc = _run(tmp_path, OUT=str(out), WORK=str(work), **TOY)

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 import torch
 
-from mm_grpo.encoders.text import load_tokenizers
+from mm_grpo.families.flux.text import load_tokenizers
 from tests.test_launch_env import REPO
 from tests.testbed import has_megatron_training
 

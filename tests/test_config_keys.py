@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
+from mm_grpo.families.flux.predictor_block import KNOWN_KEYS as FLUX_PREDICTOR_KEYS
 from mm_grpo.rewards.base import RewardConfig
-from mm_grpo.runtime.predictor_block import KNOWN_KEYS as FLUX_PREDICTOR_KEYS
 from mm_grpo.settings import check_keys
 from mm_grpo.training import arguments, components, train_flow, train_grpo
 from mm_grpo.training.entry import run_entry

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from bench.flops import counted_flops, flux_flops, grpo_iteration_flops
-from mm_grpo.encoders.latents import prepare_latent_image_ids
 from mm_grpo.models.flux import FluxConfig, FluxTransformer
+from mm_grpo.models.flux.latents import prepare_latent_image_ids
 from tests.fixtures import parallel_1proc  # noqa: F401
 
 # Text and image lengths that differ, so swapping them in a formula would show.

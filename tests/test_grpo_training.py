@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
+from mm_grpo.families.flux.chunks import forward_backward, make_velocity_fn
 from mm_grpo.rollout import rollout
-from mm_grpo.runtime.chunks import make_velocity_fn
 from mm_grpo.training.loop import optimizer_step
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.grpo_helpers import SMOOTH_REWARD, TRAIN_PROMPTS, grpo_argv, run_grpo, write_configs
@@ -205,7 +205,8 @@ def test_awm_trains_on_the_rollout_samples_renoised_to_the_trained_steps(paralle
         torch.testing.assert_close(mb["timestep"], s.sigmas[steps[r, k]])
     before = _weights(run)
     m = run.model
-    per_mb, step = optimizer_step(m.chunks, m.optimizer, m.scheduler, updates[0], s.loss_fn)
+    per_mb, step = optimizer_step(m.chunks, m.optimizer, m.scheduler, updates[0], s.loss_fn,
+                                  forward_backward=forward_backward)
     out = {**s.update_statistics(per_mb), **step}
     assert out["skipped"] == 0.0 and out["fm_loss"] > 0 and "ratio_mean" not in out
     assert any(not torch.equal(before[n], w) for n, w in _weights(run).items())

@@ -103,19 +103,50 @@ def test_no_module_imports_itself_back():
 def test_the_check_sees_imports():
     found = unit_imports()
     assert found["mm_grpo/training"].keys() >= {"mm_grpo/grpo", "mm_grpo/flow", "mm_grpo/rewards", "mm_grpo/rollout"}
-    assert "mm_grpo/encoders" in found["mm_grpo/rewards"]  # a function-level import only (compositional.py: the VAE of its detector)
+    known = modules()  # a function-level import is seen (compositional.py's main: its prompt files)
+    assert "mm_grpo.data.prompts" in imports(known["mm_grpo.rewards.compositional"], known)
     # an upward import would be seen: training is above grpo
     assert floors()["mm_grpo/training"] > floors()["mm_grpo/grpo"]
 
 
-# What belongs to a model family: its model, its run-time glue, encoders, planner, MindSpeed-MM glue
-# and tools. The GRPO core reaches a family only through the `Denoiser` it is handed.
-FAMILY_UNITS = ("mm_grpo/models", "mm_grpo/runtime", "mm_grpo/encoders", "mm_grpo/plan", "mm_grpo/mindspeed_mm",
+# What belongs to a model family: its package under mm_grpo/families (FLUX's run-time glue, denoiser,
+# parts and MindSpeed-MM predictor; Wan2.1's encoders, glue, planner and tiny pipeline), and what FLUX
+# still keeps below it: its transformer (models/), encoders and planner formulas; the MindSpeed-MM
+# glue and the tools. The GRPO core reaches a family only through the `Denoiser` it is handed.
+FAMILIES = "mm_grpo/families"
+FAMILY_UNITS = (FAMILIES, "mm_grpo/models", "mm_grpo/plan", "mm_grpo/mindspeed_mm",
                 "mm_grpo/tools")
 CORE_UNITS = ("mm_grpo/grpo", "mm_grpo/rollout", "mm_grpo/flow")
+# The shared floors every family stands on know no family package (training/ builds runs, so it may
+# import them; its loop, loop.py, may not).
+SHARED_UNITS = CORE_UNITS + ("mm_grpo/parallel", "mm_grpo/checkpoint", "mm_grpo/rewards", "mm_grpo/files",
+                             "mm_grpo/settings.py", "mm_grpo/seeding.py", "mm_grpo/configs.py", "mm_grpo/data",
+                             "mm_grpo/kernels.py", "mm_grpo/platform")
+SHARED_MODULES = ("mm_grpo.training.loop",)
 
 
 @pytest.mark.parametrize("unit", CORE_UNITS)
 def test_the_grpo_core_imports_no_model_family(unit):
     family = {target: where for target, where in unit_imports().get(unit, {}).items() if target in FAMILY_UNITS}
     assert not family, f"{unit} imports model-family code: {family}"
+
+
+@pytest.mark.parametrize("unit", SHARED_UNITS)
+def test_the_shared_floors_import_no_family_package(unit):
+    assert unit in floors() and floors()[unit] < floors()[FAMILIES]
+    where = unit_imports().get(unit, {}).get(FAMILIES)
+    assert where is None, f"{unit} imports a family package ({where})"
+
+
+@pytest.mark.parametrize("module", SHARED_MODULES)
+def test_the_training_loop_imports_no_family_package(module):
+    known = modules()
+    family = sorted(name for name in imports(known[module], known) if unit_of(name) == FAMILIES)
+    assert not family, f"{module} imports {family}"
+    assert unit_of(module) != FAMILIES and module in known
+
+
+def test_the_family_check_sees_family_imports():
+    known = modules()
+    assert any(unit_of(name) == FAMILIES for name in imports(known["mm_grpo.training.components"], known))
+    assert FAMILIES in unit_imports()["mm_grpo/training"]

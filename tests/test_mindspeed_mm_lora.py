@@ -8,10 +8,10 @@ tests/test_mindspeed_grpo.py."""
 import pytest
 import torch
 
-from mm_grpo.encoders.latents import pack_latents, prepare_latent_image_ids
 from mm_grpo.flow.matching import flow_matching_loss
 from mm_grpo.models.flux import FluxConfig, FluxTransformer, lora
 from mm_grpo.models.flux.hf_weights import load_hf_weights
+from mm_grpo.models.flux.latents import pack_latents, prepare_latent_image_ids
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.sora_helpers import (PEFT_ADAPTER, feature_batch, peft_adapters, pretrain_sora, record_q_sample,
                                 set_megatron_args, write_configs)

@@ -11,7 +11,7 @@ from bench.plan_validate import LiveTensorMeter
 from mm_grpo.models.flux import FluxConfig
 from mm_grpo.plan import calibration
 from mm_grpo.plan import formulas as f
-from mm_grpo.plan.cli import main
+from mm_grpo.tools.plan import main
 from mm_grpo.plan.frozen_parts import components_of_pipeline, flux_components
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.grpo_helpers import run_grpo, write_configs
@@ -210,7 +210,7 @@ def test_bad_input_is_one_line(capsys, argv, message):
 def test_python_dash_m_runs():
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-m", "mm_grpo.plan", "--model", "flux-schnell", "--devices", "2",
+    out = subprocess.run([sys.executable, "-m", "mm_grpo.tools.plan", "--model", "flux-schnell", "--devices", "2",
                           "--device", "h100", "--json"], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(
                              [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -224,7 +224,7 @@ def test_python_dash_m_runs():
 
 
 def test_console_command_takes_the_plan_subcommand(monkeypatch, capsys):
-    from mm_grpo.plan.cli import console
+    from mm_grpo.tools.plan import console
     monkeypatch.setattr("sys.argv", ["mm-grpo", "plan", "--model", "tiny", "--devices", "2", "--json"])
     with pytest.raises(SystemExit) as done:
         console()
@@ -284,7 +284,7 @@ MEASURED_ITERATIONS = [
 def test_time_within_10_percent_of_the_measured_iterations(device, tflops, compiled, phases, iteration):
     """The plan's seconds, as bench/full_size.py asks for them (`plan(build_parser().parse_args(argv))[3]`),
     against the measured iteration and its rollout and training phases, within 10% (issue 48)."""
-    from mm_grpo.plan.cli import build_parser, plan
+    from mm_grpo.tools.plan import build_parser, plan
     argv = ["--model", "flux-dev", "--height", "512", "--micro-batch-size", "12", "--lora-rank", "64",
             "--text-tokens", "512", "--reward", "jpeg_compressibility", "--devices", "1", "--device", device,
             "--matmul-tflops", str(tflops), "--tp", "1", "--pp", "1", "--sp", "1", "--recompute"]

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from mm_grpo.plan import formulas as f
-from mm_grpo.plan import frozen_parts, wan
-from mm_grpo.plan.cli import main
+from mm_grpo.families.wan import plan as wan
+from mm_grpo.plan import frozen_parts
+from mm_grpo.tools.plan import main
 from tests.fixtures import peft_without_mindspeed_te_dummies  # noqa: F401
 from mm_grpo.plan.devices import device
 
@@ -213,7 +214,7 @@ def test_layout_table_lists_every_layout(capsys):
 
 
 def test_summary_over_device_counts_runs_as_python_dash_m():
-    out = subprocess.run([sys.executable, "-m", "mm_grpo.plan", "--model", "wan2.1-14b", "--devices", "8", "16", "32",
+    out = subprocess.run([sys.executable, "-m", "mm_grpo.tools.plan", "--model", "wan2.1-14b", "--devices", "8", "16", "32",
                           "64", "--lora-rank", "0", "64", "--device-memory", "64", "--json"],
                          capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])))

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from mm_grpo.encoders.text import TextEmbeddingCache, TextEncoders
+from mm_grpo.families.flux.parts import conditioner
+from mm_grpo.families.flux.text import TextEmbeddingCache, TextEncoders
 from mm_grpo.tools.precompute_text import main
-from mm_grpo.training.components import conditioner
 
 
 def test_cache_serves_the_same_embeddings_as_the_encoders(tiny_pipeline_dir, tmp_path):

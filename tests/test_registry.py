@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mm_grpo.mindspeed_mm.predictor import FluxPredictor
+from mm_grpo.families.flux.mindspeed_mm import FluxPredictor
+from mm_grpo.families.flux.predictor_block import flux_config_from_block
 from mm_grpo.mindspeed_mm.registry import MODEL_REGISTRY, build_model
 from mm_grpo.models.flux import FluxConfig
-from mm_grpo.runtime.predictor_block import flux_config_from_block
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.testbed import REPO, require_testbed, subprocess_env
 from tests.utils import assert_one_line_error, make_inputs, random_reference, reference_output, rel_err
@@ -147,7 +147,7 @@ import mm_grpo
 {first}
 {second}
 from mindspeed_mm.models.predictor.predict_model import PREDICTOR_MODEL_MAPPINGS
-from mm_grpo.mindspeed_mm.predictor import FluxPredictor
+from mm_grpo.families.flux.mindspeed_mm import FluxPredictor
 assert PREDICTOR_MODEL_MAPPINGS["flux"] is FluxPredictor, PREDICTOR_MODEL_MAPPINGS
 assert "wandit" in PREDICTOR_MODEL_MAPPINGS
 print("registered")

@@ -93,7 +93,7 @@ def hf_clip_dir(tmp_path_factory):
     """A tiny transformers CLIPModel + CLIPProcessor folder (tokenizer from the tiny pipeline's)."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
-    from mm_grpo.tools.tiny import build_clip_tokenizer
+    from mm_grpo.families.flux.tiny import build_clip_tokenizer
 
     folder = tmp_path_factory.mktemp("hf_clip")
     tokenizer = build_clip_tokenizer()

@@ -14,10 +14,10 @@ from mm_grpo.data.image_captions import VideoCaptionDataset, filmstrip, unstrip
 from mm_grpo.data.motion import (Motion, enumerate_prompts, generate_videos, main as motion_main, pretraining_split,
                                  render_motion)
 from mm_grpo.data.prompts import read_prompts
-from mm_grpo.encoders.wan import UMT5Conditioner, encode_video_latents, load_tokenizer, load_wan_vae
+from mm_grpo.families.wan.encoders import UMT5Conditioner, encode_video_latents, load_tokenizer, load_wan_vae
 from mm_grpo.rewards.video import motion_scores
 from mm_grpo.tools import tiny_motion, train_tiny_vae, write_features
-from mm_grpo.tools.tiny_wan import build_tiny_wan
+from mm_grpo.families.wan.tiny import build_tiny_wan
 from tests.test_launch_env import REPO
 from tests.test_video_rewards import one_line_error
 

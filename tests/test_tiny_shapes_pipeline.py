@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-from mm_grpo.encoders.text import load_tokenizers
+from mm_grpo.families.flux.text import load_tokenizers
 from mm_grpo.rewards.compositional import reference_levels, score
 
 PIPELINE = Path(__file__).resolve().parents[1] / "examples" / "flux" / "tiny_shapes"

@@ -1,10 +1,10 @@
 """Wan2.1's umT5 conditioner and VAE decoder give what diffusers' WanPipeline gives, on the tiny
-Wan folder (mm_grpo.tools.tiny_wan)."""
+Wan folder (mm_grpo.families.wan.tiny)."""
 import pytest
 import torch
 
-from mm_grpo.encoders.wan import UMT5Conditioner, WanVaeDecoder, load_tokenizer, video_latent_shape
-from mm_grpo.tools.tiny_wan import TINY_TEXT_LEN, TINY_WAN_PREDICTOR, build_tiny_wan, main
+from mm_grpo.families.wan.encoders import UMT5Conditioner, WanVaeDecoder, load_tokenizer, video_latent_shape
+from mm_grpo.families.wan.tiny import TINY_TEXT_LEN, TINY_WAN_PREDICTOR, build_tiny_wan, main
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from mm_grpo.tools.tiny_wan import TINY_WAN_PREDICTOR, build_tiny_wan
+from mm_grpo.families.wan.tiny import TINY_WAN_PREDICTOR, build_tiny_wan
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.test_mindspeed_grpo import _child_env, _free_port, saved_model, scalars
 from tests.testbed import REPO, TESTBED, require_testbed, subprocess_env
@@ -93,7 +93,7 @@ def _wandit(tmp_path, converted):
 
 def test_wandit_from_mindspeed_mms_converter_gives_diffusers_velocity(parallel_1proc, tiny_wan, tmp_path):
     from diffusers import WanTransformer3DModel
-    from mm_grpo.mindspeed_mm.wan import TIMESTEP_SCALE, WanDenoiser
+    from mm_grpo.families.wan.mindspeed_mm import TIMESTEP_SCALE, WanDenoiser
     pipeline, converted = tiny_wan
     model = _wandit(tmp_path, converted)
     reference = WanTransformer3DModel.from_pretrained(pipeline / "transformer").eval()
@@ -114,9 +114,9 @@ def test_guided_velocity_is_what_wan_pipeline_steps_with(parallel_1proc, tiny_wa
     unconditional in one call of 2 samples) is the one diffusers' WanPipeline, at guidance_scale 5 with
     the same negative prompt, hands its scheduler at each step (two transformer calls there)."""
     from diffusers import WanPipeline
-    from mm_grpo.encoders.wan import WAN_NEGATIVE_PROMPT, UMT5Conditioner, load_tokenizer
-    from mm_grpo.mindspeed_mm.wan import TIMESTEP_SCALE, WanDenoiser
-    from mm_grpo.tools.tiny_wan import TINY_TEXT_LEN
+    from mm_grpo.families.wan.encoders import WAN_NEGATIVE_PROMPT, UMT5Conditioner, load_tokenizer
+    from mm_grpo.families.wan.mindspeed_mm import TIMESTEP_SCALE, WanDenoiser
+    from mm_grpo.families.wan.tiny import TINY_TEXT_LEN
     pipeline, converted = tiny_wan
     model = _wandit(tmp_path, converted)
     pipe = WanPipeline.from_pretrained(pipeline, tokenizer=None)

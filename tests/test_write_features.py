@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mm_grpo.encoders.text import load_tokenizers
+from mm_grpo.families.flux.text import load_tokenizers
 from mm_grpo.tools import write_features
 from mm_grpo.tools.write_features import PROG, main
 

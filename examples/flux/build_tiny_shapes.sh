@@ -36,7 +36,7 @@ for f in pretrain grpo eval; do cmp -s "$WORK/prompts/$f.txt" "$PROMPTS/$f.txt" 
 stage data
 "$PY" -m mm_grpo.tools.train_tiny_vae --data "$WORK/data" --out "$WORK/vae" --steps "$VAE_STEPS" --seed "$SEED"
 stage vae
-"$PY" -m mm_grpo.tools.tiny_shapes init --vae "$WORK/vae" --out "$WORK/init" --seed "$SEED"
+"$PY" -m mm_grpo.families.flux.tiny_shapes init --vae "$WORK/vae" --out "$WORK/init" --seed "$SEED"
 stage init
 PIPELINE_DIR="$WORK/init" DATA_DIR="$WORK/data" RUN_DIR="$WORK/pretrain" \
 MODEL_JSON="$SCRIPT_DIR/model_flow_shapes.json" DATA_JSON="$SCRIPT_DIR/data_flow_shapes.json" \
@@ -46,7 +46,7 @@ SEED="$SEED" SAVE_INTERVAL="${SAVE_INTERVAL:-500}" EVAL_INTERVAL="${EVAL_INTERVA
 stage pretrain
 "$PY" -m converters.convert_cli FluxConverter mm_to_hf --cfg.source_path "$WORK/pretrain/ckpt" \
   --cfg.target_path "$WORK/transformer" --cfg.dtype fp16
-"$PY" -m mm_grpo.tools.tiny_shapes finish --init "$WORK/init" --transformer "$WORK/transformer" \
+"$PY" -m mm_grpo.families.flux.tiny_shapes finish --init "$WORK/init" --transformer "$WORK/transformer" \
   --out "$WORK/pipeline"
 rm -rf "$OUT.old"; [ -d "$OUT" ] && mv "$OUT" "$OUT.old"
 mv "$WORK/pipeline" "$OUT"; rm -rf "$OUT.old"

@@ -54,7 +54,7 @@ if [ "$TINY" = 1 ]; then
     exit 2
   fi
   export PIPELINE_DIR="$RUN_DIR/tiny_wan"
-  [ -d "$PIPELINE_DIR" ] || "$PY" -m mm_grpo.tools.tiny_wan --out "$PIPELINE_DIR" > /dev/null
+  [ -d "$PIPELINE_DIR" ] || "$PY" -m mm_grpo.families.wan.tiny --out "$PIPELINE_DIR" > /dev/null
   LOAD_PATH="${LOAD_PATH:-$RUN_DIR/tiny_wan_mm}"
   MODEL_JSON="${MODEL_JSON:-$SCRIPT_DIR/model_tiny.json}"
   PP_LAYERS=()  # the stages' blocks, model.json's pipeline_num_layers, for the converter's split

@@ -1,4 +1,4 @@
-"""GRPO of FLUX, or of MindSpeed-MM's own Wan2.1 DiT (`"model_id": "wandit"`, mm_grpo/mindspeed_mm/wan.py),
+"""GRPO of FLUX, or of MindSpeed-MM's own Wan2.1 DiT (`"model_id": "wandit"`, mm_grpo/families/wan/mindspeed_mm.py),
 inside MindSpeed-MM's own `pretrain` (its fork of Megatron-LM's loop).
 
     torchrun $DISTRIBUTED_ARGS -m mm_grpo.mindspeed_mm.grpo $GPT_ARGS $MM_ARGS $GRPO_ARGS $OUTPUT_ARGS
@@ -58,15 +58,17 @@ from megatron.core.enums import ModelType
 from megatron.training import get_args
 
 import mm_grpo.mindspeed_mm.registry  # noqa: F401  (`"model_id": "flux"` in MindSpeed-MM's predictor mapping)
-from mm_grpo.mindspeed_mm import lora, wan
 from mm_grpo.checkpoint import resume
 from mm_grpo.data import PromptStream
+from mm_grpo.families.flux.denoiser import FluxGuidance
+from mm_grpo.families.flux.parts import parts as flux_parts
+from mm_grpo.families.wan import mindspeed_mm as wan
 from mm_grpo.files.jsonfile import load_json
 from mm_grpo.files.lock import RunFolderLocked
 from mm_grpo.grpo.hyperparameters import GRPOSettings
+from mm_grpo.mindspeed_mm import lora
 from mm_grpo.mindspeed_mm.adapter import GRPOMicroBatches, grpo_forward_step, rollout_before_each_step
 from mm_grpo.rewards.combined import CombinedReward
-from mm_grpo.runtime.denoiser import FluxGuidance
 from mm_grpo.settings import accept_negative_numbers, add_setting_args, check_bounds, from_args
 from mm_grpo.training import components, run_guard
 from mm_grpo.training.arguments import GuardArgs, HeldOutArgs, OptimizerArgs
@@ -290,7 +292,7 @@ class GRPOInPretrain:
             self.lock = run_guard.prepare_save_folder(args.save, run_guard.checkpoint_bytes(self.policy))
         device = mm_grpo.get_platform().device
         dtype = torch.bfloat16 if args.bf16 else torch.float32
-        parts = wan.wan_parts if wan.is_wan(launch.model_cfg) else components.flux_parts
+        parts = wan.parts if wan.is_wan(launch.model_cfg) else flux_parts
         self.schedule = components.grpo_schedule(launch.settings, self.policy, launch.model_cfg, launch.reward,
                                                  device, dtype, launch.guidance,
                                                  ref_policy=self.reference_policy(args, device), parts=parts)

@@ -11,7 +11,7 @@ import importlib.machinery
 import importlib.util
 import sys
 
-from mm_grpo.mindspeed_mm.predictor import FluxPredictor
+from mm_grpo.families.flux.mindspeed_mm import FluxPredictor
 
 MINDSPEED_MM_PREDICTORS = "mindspeed_mm.models.predictor.predict_model"
 MODEL_REGISTRY = {"flux": FluxPredictor}

@@ -15,7 +15,7 @@ import sys
 import mm_grpo  # noqa: F401  (accelerator first)
 from mm_grpo.files.jsonfile import load_json
 import mm_grpo.mindspeed_mm.registry  # noqa: F401  (registers into MindSpeed-MM on its import)
-from mm_grpo.runtime.predictor_block import flux_config_from_block, mindspeed_mm_block_error
+from mm_grpo.families.flux.predictor_block import flux_config_from_block, mindspeed_mm_block_error
 from mm_grpo.training.entry import run_entry
 
 

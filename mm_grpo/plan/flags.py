@@ -1,5 +1,5 @@
-"""The flags, checks and output of `mm-grpo plan` that FLUX (cli.py) and Wan2.1 (wan_cli.py) share,
-declared once; each family adds its own (FLUX: --sp; Wan: --cp, --pipeline-num-layers). `several`:
+"""The flags, checks and output of `mm-grpo plan` that FLUX (tools/plan.py) and Wan2.1
+(families/wan/plan_cli.py) share, declared once; each family adds its own (FLUX: --sp; Wan: --cp, --pipeline-num-layers). `several`:
 the family plans several device counts and LoRA ranks in one call (Wan: a summary row each)."""
 import argparse
 import json

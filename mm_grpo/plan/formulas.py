@@ -31,10 +31,10 @@ import dataclasses
 import functools
 from typing import Dict, List, Optional
 
-from mm_grpo.encoders.latents import num_image_tokens
 from mm_grpo.grpo.hyperparameters import GRPOSettings
 from mm_grpo.grpo.timesteps import trained_steps_per_sample
 from mm_grpo.models.flux.config import FluxConfig
+from mm_grpo.models.flux.latents import num_image_tokens
 from mm_grpo.plan.devices import GB
 from mm_grpo.settings import setting
 
@@ -414,7 +414,7 @@ def recompute_bytes(config, job, layout, stage):
 # Gradients alive at the peak of a micro-batch's backward beyond the saved activations, in values
 # per token of hidden size D: measured in fp32 on the whole trainer before the bf16 layout, the
 # train-phase peak of the single-rank bench run less the held memory and the saved activations
-# (bench/plan_validate.py, docs/scaling.md): 3.9D. Wan's formulas (wan.py) use it; FLUX's now use
+# (bench/plan_validate.py, docs/scaling.md): 3.9D. Wan's formulas (families/wan/plan.py) use it; FLUX's now use
 # the per-block measurement below.
 BACKWARD_WORKING_VALUES_PER_TOKEN = 4
 # Bytes per token and hidden unit alive at the peak of a recomputed block's forward + backward beyond
@@ -488,12 +488,12 @@ def rollout_forward_working_bytes(config, job, layout):
 
 
 def vae_bytes(comps, job):
-    """VAE weights (the whole AutoencoderKL is loaded, encoders/vae.py) in the compute dtype."""
+    """VAE weights (the whole AutoencoderKL is loaded, mm_grpo/families/flux/vae.py) in the compute dtype."""
     return comps.vae_params * (2 if job.bf16 else 4)
 
 
 def vae_decode_bytes(comps, job, layout):
-    """Decode of this rank's B images at once (encoders/vae.py decodes the batch in one call):
+    """Decode of this rank's B images at once (mm_grpo/families/flux/vae.py decodes the batch in one call):
     B x H x W x values-per-pixel (measured constant, plan/frozen_parts.py) x element size."""
     B = job.batch // layout.dp
     return B * job.height * job.width * comps.vae_decode_values_per_pixel * (2 if job.bf16 else 4)

@@ -27,6 +27,7 @@ missed relation or background: partial credit that extra or mis-bound objects ca
 """
 import argparse
 import collections
+import os
 import dataclasses
 import weakref
 from typing import List, NamedTuple, Sequence, Tuple
@@ -367,8 +368,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     vae = None
     if args.pipeline:
-        from mm_grpo.encoders.vae import load_vae
-        vae = load_vae(args.pipeline)
+        from diffusers import AutoencoderKL  # the pipeline's own VAE, whatever its family
+        vae = AutoencoderKL.from_pretrained(os.path.join(args.pipeline, "vae")).eval().requires_grad_(False)
     prompts = [p for f in args.prompts for p in read_prompts(f)]
     for name, (frac, acc) in reference_levels(prompts, args.samples, args.seed, vae=vae).items():
         print(f"{name}: compositional {frac:.4f}  accuracy {acc:.4f}  ({len(prompts)} prompts x {args.samples})")

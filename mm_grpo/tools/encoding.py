@@ -3,7 +3,7 @@ import dataclasses
 
 import torch
 
-from mm_grpo.encoders.text import MAX_SEQUENCE_LENGTH
+from mm_grpo.families.flux.text import MAX_SEQUENCE_LENGTH
 from mm_grpo.settings import setting
 
 

@@ -10,7 +10,7 @@ import argparse
 import time
 
 from mm_grpo.data import read_prompts
-from mm_grpo.encoders.text import TextEncoders, save_text_embeddings
+from mm_grpo.families.flux.text import TextEncoders, save_text_embeddings
 from mm_grpo.settings import add_setting_args, from_args
 from mm_grpo.tools.encoding import EncoderSettings
 

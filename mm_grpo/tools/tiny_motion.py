@@ -1,4 +1,4 @@
-"""The tiny "motion" Wan2.1 pipeline: the tiny Wan pipeline's layout (`mm_grpo.tools.tiny_wan`) with a
+"""The tiny "motion" Wan2.1 pipeline: the tiny Wan pipeline's layout (`mm_grpo.families.wan.tiny`) with a
 umT5 tokenizer learnt on the motion grammar (every word one token), a frozen random umT5, a VAE
 trained on moving-shape videos and a DiT pretrained on them by flow matching in MindSpeed-MM's own
 pretrain_sora.py (examples/wan/build_tiny_motion.sh runs the whole recipe).
@@ -33,15 +33,16 @@ import torch
 from mm_grpo.data.motion import MIN_IMAGE_SIZE, MotionSpec, enumerate_prompts, render_video
 from mm_grpo.data.prompts import read_prompts
 from mm_grpo.data.shapes import BACKGROUNDS
-from mm_grpo.encoders.wan import (TIMESTEP_SCALE, UMT5Conditioner, WanVaeDecoder, component_folder,
-                                  encode_video_latents, load_tokenizer, video_latent_shape)
+from mm_grpo.families.flux import tiny, tiny_shapes
+from mm_grpo.families.wan import tiny as tiny_wan
+from mm_grpo.families.wan.encoders import (TIMESTEP_SCALE, UMT5Conditioner, WanVaeDecoder, component_folder,
+                                           encode_video_latents, load_tokenizer, video_latent_shape)
 from mm_grpo.files.atomic import atomic_dir, atomic_write_text
+from mm_grpo.grpo.denoiser import Denoiser
 from mm_grpo.grpo.hyperparameters import GRPOSettings
 from mm_grpo.rewards.video import motion_scores
 from mm_grpo.rollout import sigma_schedule
-from mm_grpo.runtime.denoiser import Denoiser
 from mm_grpo.settings import add_setting_args, from_args, setting
-from mm_grpo.tools import tiny, tiny_shapes, tiny_wan
 from mm_grpo.tools.train_tiny_vae import WAN_LATENT_CHANNELS
 from mm_grpo.training.evaluation import Evaluator
 

@@ -5,7 +5,7 @@ or Wan2.1's (`AutoencoderKLWan`, `--family wan`) on a video-caption folder.
     python -m mm_grpo.tools.train_tiny_vae --family wan --data VIDEO_DIR --out VAE_DIR [--steps 1500]
 
 FLUX's architecture is the tiny pipeline's (factor 8, 4 latent channels = 16 packed channels);
-Wan's is the tiny Wan pipeline's (`mm_grpo.tools.tiny_wan`: factor 8 in space and 4 in time, a
+Wan's is the tiny Wan pipeline's (`mm_grpo.families.wan.tiny`: factor 8 in space and 4 in time, a
 causal encoder that takes 4k + 1 frames) with Wan2.1's 16 latent channels.
 Choices, each measured on the shapes data (docs/demo.md), the same for both:
 - the decoder reads the posterior mean plus Gaussian noise of a fixed fraction of the latents'
@@ -38,10 +38,11 @@ import torch
 import torch.nn.functional as F
 
 from mm_grpo.data.image_captions import ImageCaptionDataset, VideoCaptionDataset
-from mm_grpo.encoders.wan import WAN_VAE_TEMPORAL, video_latent_shape
+from mm_grpo.families.wan.encoders import WAN_VAE_TEMPORAL, video_latent_shape
 from mm_grpo.files.atomic import atomic_dir
 from mm_grpo.settings import add_setting_args, from_args, setting
-from mm_grpo.tools import tiny, tiny_wan
+from mm_grpo.families.flux import tiny
+from mm_grpo.families.wan import tiny as tiny_wan
 
 FAMILIES = ("flux", "wan")
 WAN_LATENT_CHANNELS = 16  # Wan2.1's VAE

@@ -15,27 +15,26 @@ taken from the JSON file's folder; a path that starts with a variable ("$PIPELIN
 taken from the working directory, as the shell that set the variable would.
 
 Every key of a block mm-grpo reads is declared here, beside its reader (the predictor's in
-runtime/predictor_block.py, a reward's by its config class); `check_model_config` and
+mm_grpo/families/flux/predictor_block.py, a reward's by its config class); `check_model_config` and
 `check_data_config` refuse any other in one line naming the nearest known key, before any work.
 """
 import os
 
+from mm_grpo.configs import DEFAULT_IMAGE_SIZE, MODEL_FLAG, block, configured_size  # noqa: F401
 from mm_grpo.data import PromptStream, read_prompts
-from mm_grpo.encoders.latents import token_grid
+from mm_grpo.families.flux.parts import parts as flux_parts
+from mm_grpo.families.flux.predictor_block import KNOWN_KEYS as FLUX_PREDICTOR_KEYS
 from mm_grpo.grpo.schedule import GRPOSchedule
+from mm_grpo.models.flux.latents import token_grid
 from mm_grpo.rewards.base import RewardConfig
 from mm_grpo.rewards.combined import CombinedReward
-from mm_grpo.runtime.denoiser import FluxDenoiser, FluxGuidance
-from mm_grpo.runtime.predictor_block import KNOWN_KEYS as FLUX_PREDICTOR_KEYS
 from mm_grpo.settings import check_keys
 
-MODEL_FLAG = "--mm-model"  # the flag that names model.json, in errors
-DEFAULT_IMAGE_SIZE = (64, 64)  # when neither the flags nor model.json's image_size name one: the tiny demo's
 
 # The keys of each block mm-grpo reads. `model_id` and `comment` are read by nobody: MindSpeed-MM's
 # block names (the shipped configs carry them) and notes for the reader.
 MODEL_KEYS = ("comment", "ae", "text_encoder", "predictor", "reward", "image_size",
-              "num_frames")  # num_frames: Wan's video length (mindspeed_mm/wan.py)
+              "num_frames")  # num_frames: Wan's video length (mm_grpo/families/wan/mindspeed_mm.py)
 TEXT_ENCODER_KEYS = ("model_id", "from_pretrained", "max_sequence_length", "embeddings_cache")
 AE_KEYS = ("model_id", "from_pretrained")
 FLUX_MODEL_IDS = (None, "flux")  # predictor blocks of FLUX (mm-grpo's trainers read no model_id)
@@ -77,12 +76,6 @@ def resolve_paths(config, base_dir):
     return config
 
 
-def block(config, name, source):
-    if name not in config:
-        raise ValueError(f"{source} has no {name!r} block")
-    return config[name]
-
-
 def check_model_config(model_cfg, source=MODEL_FLAG):
     """One line for a key of model.json (`source`: its file) that nothing reads: at the top level, in
     text_encoder, ae, a FLUX predictor or a reward entry (a wandit predictor is MindSpeed-MM's to read)."""
@@ -121,38 +114,20 @@ def prompt_streams(data_config, source, seed):
     return train, eval_prompts
 
 
-def conditioner(text_block, device, dtype):
-    """prompts -> (prompt_embeds, pooled, txt_ids), from a precomputed cache or the encoders."""
-    if text_block.get("embeddings_cache"):
-        from mm_grpo.encoders.text import TextEmbeddingCache
-        cache = TextEmbeddingCache(text_block["embeddings_cache"])
-        return lambda prompts: cache.get(prompts, device=device)
-    from mm_grpo.encoders.text import TextEncoders
-    kwargs = {"max_sequence_length": text_block["max_sequence_length"]} if "max_sequence_length" in text_block else {}
-    encoders = TextEncoders(block(text_block, "from_pretrained", "text_encoder"), device=device, dtype=dtype, **kwargs)
-    return encoders.encode
-
-
 def check_prompts(text_block, reward, prompts):
     """Prompt-dependent errors before any work: mid-iteration each data-parallel rank conditions
     and scores only its own prompts, and an error on one would leave the others in a collective."""
     if text_block.get("embeddings_cache"):
-        from mm_grpo.encoders.text import TextEmbeddingCache
+        from mm_grpo.families.flux.text import TextEmbeddingCache
         TextEmbeddingCache(text_block["embeddings_cache"]).check(list(dict.fromkeys(prompts)))
     reward.check_prompts(prompts)
-
-
-def decoder(ae_block, device, dtype):
-    from mm_grpo.encoders.vae import VaeDecoder
-    return VaeDecoder(block(ae_block, "from_pretrained", "ae"), device=device, dtype=dtype)
 
 
 # --- one GRPO run, as every entry builds it --------------------------------------------------------
 def image_size(model_cfg, height=None, width=None) -> tuple:
     """(height, width) of the generated images: the flags, else model.json's image_size, else the
     default; refused in one line if FLUX's latent layout (VAE factor x 2x2 packing) does not divide it."""
-    default = model_cfg.get("image_size", DEFAULT_IMAGE_SIZE)
-    height, width = height or default[0], width or default[1]
+    height, width = configured_size(model_cfg, height, width)
     token_grid(height, width)
     return height, width
 
@@ -165,17 +140,10 @@ def grpo_reward(model_cfg, prompts, device) -> CombinedReward:
     return reward
 
 
-def flux_parts(model_cfg, settings, policy, device, dtype, guidance: FluxGuidance):
-    """(conditioner, decoder, denoiser) of a FLUX run: model.json's text encoders and VAE decoder."""
-    return (conditioner(block(model_cfg, "text_encoder", MODEL_FLAG), device, dtype),
-            decoder(block(model_cfg, "ae", MODEL_FLAG), device, dtype),
-            FluxDenoiser.of(policy, settings.height, settings.width, guidance.guidance_scale))
-
-
 def grpo_schedule(settings, policy, model_cfg, reward, device, dtype, guidance, schedule_cls=GRPOSchedule,
                   ref_policy=None, old_policy=None, parts=flux_parts) -> GRPOSchedule:
     """The GRPO schedule of a run: `policy` (this rank's chunks), the reward `grpo_reward` built and the
-    model family's `parts` (conditioner, decoder, denoiser: FLUX's, or mindspeed_mm/wan.py's) with its
+    model family's `parts` (conditioner, decoder, denoiser: FLUX's, or mm_grpo/families/wan/mindspeed_mm.py's) with its
     `guidance` settings; `ref_policy` for the KL term, `old_policy` the sampler."""
     conditioner_fn, decoder_fn, denoiser = parts(model_cfg, settings, policy, device, dtype, guidance)
     return schedule_cls(settings, policy, conditioner=conditioner_fn, decoder=decoder_fn, reward=reward,

@@ -9,8 +9,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from mm_grpo.grpo.denoiser import Denoiser
 from mm_grpo.rollout import rollout
-from mm_grpo.runtime.denoiser import Denoiser
 from mm_grpo.seeding import Stream, seeded_generator
 from mm_grpo.training import intervals
 

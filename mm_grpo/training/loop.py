@@ -16,17 +16,16 @@ import json
 import math
 import os
 import time
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from mm_grpo.checkpoint import checksum
+from mm_grpo.files.atomic import atomic_write_text
 from mm_grpo.parallel.state import dp_mean
-from mm_grpo.runtime.chunks import forward_backward
 from mm_grpo.training import run_guard
 from mm_grpo.training.checkpointing import load_checkpoint, save_checkpoint
-from mm_grpo.files.atomic import atomic_write_text
 from mm_grpo.training.logging_utils import TrainLogger, is_logging_rank
 
 
@@ -45,11 +44,13 @@ def all_finite(loss: float, ddp_chunks) -> bool:
     return bool(flag.item())
 
 
-def optimizer_step(chunks, optimizer, scheduler, micro_batches: Sequence[Dict],
-                   loss_fn) -> Tuple[List[Dict], Dict[str, float]]:
+def optimizer_step(chunks, optimizer, scheduler, micro_batches: Sequence[Dict], loss_fn, *,
+                   forward_backward: Callable) -> Tuple[List[Dict], Dict[str, float]]:
     """One optimizer step of this rank's DDP model `chunks` over its `micro_batches`.
 
-    loss_fn(output, micro_batch) -> (loss, stats) runs on the last pipeline stage. Returns the
+    loss_fn(output, micro_batch) -> (loss, stats) runs on the last pipeline stage;
+    forward_backward(chunks, micro_batches, loss_fn) -> [{"loss": ..., **stats}] is the model family's
+    forward and backward under megatron-core's schedule (FLUX's: families/flux/chunks.py). Returns the
     per-micro-batch results of `forward_backward` and the step's stats: loss (averaged over
     micro-batches and data-parallel ranks), grad_norm, skipped, lr. A non-finite loss or gradient
     on any rank skips the step on every rank."""

@@ -21,12 +21,13 @@ from megatron.core import parallel_state
 
 from mm_grpo.checkpoint.resume import ResumeRefused
 from mm_grpo.data.image_captions import ImageCaptionDataset
-from mm_grpo.encoders.latents import LATENT_FACTOR, VAE_SCALE_FACTOR, pack_latents, token_grid
-from mm_grpo.encoders.vae import encode_latents
+from mm_grpo.families.flux import parts as flux_parts
+from mm_grpo.families.flux.chunks import conditioning, forward_backward
+from mm_grpo.families.flux.denoiser import FluxDenoiser, FluxGuidance
+from mm_grpo.families.flux.vae import encode_latents
 from mm_grpo.flow import FlowMatchingSettings, flow_matching_loss, noisy_latents, sample_sigmas
+from mm_grpo.models.flux.latents import LATENT_FACTOR, VAE_SCALE_FACTOR, pack_latents, token_grid
 from mm_grpo.parallel import initialize_parallel
-from mm_grpo.runtime.chunks import conditioning
-from mm_grpo.runtime.denoiser import FluxDenoiser, FluxGuidance
 from mm_grpo.seeding import DEFAULT_SEED, Stream, seeded_generator
 from mm_grpo.settings import from_args, setting
 from mm_grpo.training import arguments, components
@@ -82,13 +83,13 @@ class FeatureEncoder:
     caption is encoded once per run (memory grows with the data: for small datasets)."""
 
     def __init__(self, ae_block, text_block, dataset, in_channels, device, dtype, cache=False):
-        from mm_grpo.encoders.vae import load_vae
+        from mm_grpo.families.flux.vae import load_vae
         self.vae = load_vae(components.block(ae_block, "from_pretrained", "ae"), device=device)
         packed = 4 * self.vae.config.latent_channels
         if packed != in_channels:
             raise ValueError(f"the VAE has {self.vae.config.latent_channels} latent channels ({packed} packed), "
                              f"but the transformer takes {in_channels}")
-        self.conditioner = components.conditioner(text_block, device, dtype)
+        self.conditioner = flux_parts.conditioner(text_block, device, dtype)
         self.dataset, self.device, self.cache = dataset, device, cache
         self.latent_cache, self.text_cache = {}, {}
 
@@ -166,7 +167,7 @@ class FlowRun(ConfiguredRun):
         reward = CombinedReward.from_configs(self.model_cfg["reward"], device=self.device)
         reward.check_prompts(prompts)  # before training, not at the first evaluation
         return Evaluator(
-            prompts, self.features.text, components.decoder(self.model_cfg["ae"], self.device, torch.float32), reward,
+            prompts, self.features.text, flux_parts.decoder(self.model_cfg["ae"], self.device, torch.float32), reward,
             sigma_schedule(self.args.num_inference_steps, self.args.sigma_shift).to(self.device),
             FluxDenoiser(self.size, self.size, self.flux_config.in_channels, self.settings.guidance.guidance_scale),
             self.size, self.size, params.get("eval_samples_per_prompt", 1), seed=params.get("eval_seed", 0), device=self.device)
@@ -215,7 +216,8 @@ class FlowRun(ConfiguredRun):
 
     def step(self, iteration: int) -> Dict[str, float]:
         m = self.model
-        return optimizer_step(m.chunks, m.optimizer, m.scheduler, self.micro_batches(iteration), self.loss_fn)[1]
+        return optimizer_step(m.chunks, m.optimizer, m.scheduler, self.micro_batches(iteration), self.loss_fn,
+                              forward_backward=forward_backward)[1]
 
 
 def main(argv=None):

@@ -18,12 +18,12 @@ from megatron.core import parallel_state
 
 from mm_grpo.checkpoint.paths import EMA_KEY
 from mm_grpo.checkpoint.resume import ResumeRefused
+from mm_grpo.families.flux.chunks import build_model_chunks, forward_backward, load_pretrained
+from mm_grpo.families.flux.denoiser import FluxGuidance
 from mm_grpo.grpo.hyperparameters import GRPOSettings
 from mm_grpo.grpo.schedule import GRPOSchedule
 from mm_grpo.models.flux import lora
 from mm_grpo.parallel import initialize_parallel
-from mm_grpo.runtime.chunks import build_model_chunks, load_pretrained
-from mm_grpo.runtime.denoiser import FluxGuidance
 from mm_grpo.settings import from_args
 from mm_grpo.training import components, evaluation
 from mm_grpo.training.arguments import parse_args
@@ -44,7 +44,8 @@ def grpo_iteration(schedule: GRPOSchedule, chunks, optimizer, scheduler, iterati
     start = time.time()
     per_update = []
     for micro_batches in updates:
-        per_mb, step = optimizer_step(chunks, optimizer, scheduler, micro_batches, schedule.loss_fn)
+        per_mb, step = optimizer_step(chunks, optimizer, scheduler, micro_batches, schedule.loss_fn,
+                                      forward_backward=forward_backward)
         per_update.append({**schedule.update_statistics(per_mb), **step})
     stats.update(schedule.merge_updates(per_update), time_train=time.time() - start,
                  lr=optimizer.param_groups[0]["lr"])

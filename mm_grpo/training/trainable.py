@@ -14,11 +14,11 @@ from typing import List, Optional
 from mm_grpo import get_platform
 from mm_grpo.checkpoint.metadata import CheckpointMeta
 from mm_grpo.checkpoint.paths import RELEASE, is_megatron_checkpoint, iteration_dir
+from mm_grpo.families.flux.chunks import build_model_chunks, load_pretrained, resolve_pp_layers
+from mm_grpo.families.flux.predictor_block import flux_config_from_block
 from mm_grpo.models.flux import lora
 from mm_grpo.models.flux.config import FluxConfig
 from mm_grpo.parallel import ParallelConfig
-from mm_grpo.runtime.chunks import build_model_chunks, load_pretrained, resolve_pp_layers
-from mm_grpo.runtime.predictor_block import flux_config_from_block
 from mm_grpo.training import arguments, components, run_guard
 from mm_grpo.training.loop import TrainingRun
 from mm_grpo.training.optim import build_optimizer, build_scheduler, unwrap, wrap_ddp

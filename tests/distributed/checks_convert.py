@@ -67,7 +67,7 @@ def _megatron_saved(parallel, pp_layers):
     rank 0 without mm-grpo metadata: the inferred layout, and mm_to_hf (with --cfg.hf_dir, which
     gives axes_dims_rope) against the diffusers weights."""
     from mm_grpo.checkpoint import CheckpointMeta, iteration_dir
-    from mm_grpo.runtime.chunks import build_model_chunks, load_hf_weights_into_chunks
+    from mm_grpo.families.flux.chunks import build_model_chunks, load_hf_weights_into_chunks
     from tests.megatron_save import megatron_save
     ref = random_reference(CONFIG, seed=13)
     paths = [tempfile.mkdtemp(prefix="checks_convert-") if dist.get_rank() == 0 else None]

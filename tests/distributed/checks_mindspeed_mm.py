@@ -17,10 +17,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from safetensors.torch import save_file
 
+from mm_grpo.families.flux.chunks import forward_backward
 from mm_grpo.models.flux import FluxConfig
 from mm_grpo.parallel import ParallelConfig, initialize_parallel
 from mm_grpo.parallel.state import STAT_DTYPE
-from mm_grpo.runtime.chunks import forward_backward
 from tests.distributed.worker import check
 from tests.testbed import install_standins
 from tests.utils import (_gather_whole, gather_tp, make_inputs, random_adapters, random_reference, reference_output,
@@ -136,7 +136,7 @@ def _our_flow_loss(ref, drawn, adapters=None):
     from mm_grpo.flow.matching import flow_matching_loss
     from mm_grpo.models.flux import FluxTransformer
     from mm_grpo.models.flux.hf_weights import load_hf_weights
-    from mm_grpo.encoders.latents import pack_latents, prepare_latent_image_ids
+    from mm_grpo.models.flux.latents import pack_latents, prepare_latent_image_ids
     from tests.sora_helpers import feature_batch
     batch = feature_batch(CONFIG)
     noised, noise, timestep = drawn

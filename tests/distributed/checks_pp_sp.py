@@ -12,7 +12,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from mm_grpo.models.flux import FluxConfig, FluxTransformer, layout
 from mm_grpo.models.flux.hf_weights import load_hf_weights
 from mm_grpo.parallel import ParallelConfig, initialize_parallel
-from mm_grpo.runtime.chunks import (build_model_chunks, forward_backward, load_hf_weights_into_chunks,
+from mm_grpo.families.flux.chunks import (build_model_chunks, forward_backward, load_hf_weights_into_chunks,
                                        make_velocity_fn)
 from mm_grpo.parallel.state import STAT_DTYPE
 from tests.distributed.worker import check

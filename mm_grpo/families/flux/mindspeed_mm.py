@@ -6,7 +6,7 @@ under pipeline parallelism, first checks `sum(pipeline_num_layers) == num_layers
 replaces `num_layers` by the stage's count and adds `pre_process`, `post_process` and
 `global_layer_idx`. If `from_pretrained` is set it then loads that one file with its own
 `load_checkpoint` (`model.load_state_dict(sd, strict=False)`). How the block names FLUX's
-hyperparameters: mm_grpo/runtime/predictor_block.py.
+hyperparameters: mm_grpo/families/flux/predictor_block.py.
 """
 import os
 from typing import Mapping
@@ -15,12 +15,13 @@ import torch
 from megatron.core import parallel_state
 from torch.nn.modules.module import _IncompatibleKeys
 
-from mm_grpo.encoders.latents import VAE_SCALE_FACTOR, pack_latents, prepare_latent_image_ids, unpack_latents
+from mm_grpo.families.flux.predictor_block import flux_config_from_block
 from mm_grpo.models.flux import layout
 from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
 from mm_grpo.models.flux.hf_weights import copy_hf_weights
+from mm_grpo.models.flux.latents import VAE_SCALE_FACTOR, pack_latents, prepare_latent_image_ids, unpack_latents
 from mm_grpo.models.flux.model import FluxTransformer
-from mm_grpo.runtime.predictor_block import flux_config_from_block
+from mm_grpo.parallel.grad_scale import scale_grad
 
 # MindSpeed-MM's flow-matching schedulers give timesteps on diffusers' 0..1000 scale (sigma x
 # num_train_timesteps, 1000 in every FLUX scheduler config); FLUX's forward takes sigma, as
@@ -147,22 +148,6 @@ class FluxPredictor(FluxTransformer):
         if not is_diffusers_state_dict(state_dict):
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
         return load_diffusers_state_dict(self, state_dict, strict)
-
-
-class _GradScale(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
-def scale_grad(x, scale):
-    """x, with its gradient multiplied by `scale` on the way back."""
-    return x if scale == 1 else _GradScale.apply(x, scale)
 
 
 def _text_features(prompt):

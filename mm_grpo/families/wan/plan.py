@@ -28,8 +28,8 @@ import math
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from mm_grpo.encoders.wan import (WAN_VAE_TEMPORAL, WANDIT_MICRO_BATCH_REASON, WANDIT_TP_REASON, video_latent_shape,
-                                  video_token_grid)
+from mm_grpo.families.wan.encoders import (WAN_VAE_TEMPORAL, WANDIT_MICRO_BATCH_REASON, WANDIT_TP_REASON,
+                                           video_latent_shape, video_token_grid)
 from mm_grpo.plan import formulas as f
 from mm_grpo.plan import frozen_parts
 from mm_grpo.settings import setting

@@ -29,13 +29,14 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.utils import get_attr_wrapped_model
 
-from mm_grpo.encoders.wan import (TIMESTEP_SCALE, WAN_NEGATIVE_PROMPT, WANDIT_MICRO_BATCH_REASON, WANDIT_TP_REASON,
-                                  UMT5Conditioner, WanVaeDecoder, video_latent_shape, video_token_grid)
-from mm_grpo.mindspeed_mm.predictor import scale_grad
-from mm_grpo.parallel.state import is_last_stage, tensor_from_last_stage
+from mm_grpo.configs import MODEL_FLAG, block, configured_size
+from mm_grpo.families.wan.encoders import (TIMESTEP_SCALE, WAN_NEGATIVE_PROMPT, WANDIT_MICRO_BATCH_REASON,
+                                           WANDIT_TP_REASON, UMT5Conditioner, WanVaeDecoder, video_latent_shape,
+                                           video_token_grid)
 from mm_grpo.grpo.denoiser import Denoiser
+from mm_grpo.parallel.grad_scale import scale_grad
+from mm_grpo.parallel.state import is_last_stage, tensor_from_last_stage
 from mm_grpo.settings import setting
-from mm_grpo.training import components
 
 MODEL_ID = "wandit"
 DEFAULT_NUM_FRAMES = 81  # Wan2.1's 5 s at 16 fps
@@ -53,7 +54,7 @@ def is_wan(model_cfg: dict) -> bool:
 
 def video_size(model_cfg: dict) -> Tuple[int, int, int]:
     """(frames, height, width) of model.json (`num_frames`, `image_size`), checked against the VAE."""
-    height, width = components.image_size(model_cfg)
+    height, width = configured_size(model_cfg)
     frames = int(model_cfg.get("num_frames", DEFAULT_NUM_FRAMES))
     video_latent_shape(frames, height, width)
     return frames, height, width
@@ -72,7 +73,7 @@ WAN_PARTS = {"text_encoder": ("text_encoder", "UMT5EncoderModel"), "ae": ("vae",
 def check_wan_pipeline(model_cfg: dict):
     """model.json's text encoder and VAE folders hold Wan's classes (not, say, a FLUX pipeline's)."""
     for name, (sub, wanted) in WAN_PARTS.items():
-        folder = components.block(components.block(model_cfg, name, components.MODEL_FLAG), "from_pretrained", name)
+        folder = block(block(model_cfg, name, MODEL_FLAG), "from_pretrained", name)
         config = os.path.join(folder, sub, "config.json")
         if not os.path.isfile(config):
             raise ValueError(f"{name}.from_pretrained {folder}: no {sub}/config.json (a diffusers Wan pipeline folder)")
@@ -233,14 +234,14 @@ class WanDenoiser(Denoiser):
         return v
 
 
-def wan_parts(model_cfg, settings, policy, device, dtype, guidance: WanGuidance):
+def parts(model_cfg, settings, policy, device, dtype, guidance: WanGuidance):
     """(conditioner, decoder, denoiser) of a Wan run: umT5 and Wan's VAE from the `text_encoder` and
     `ae` blocks' diffusers Wan pipeline folder, and the denoiser over model.json's video size."""
-    text = components.block(model_cfg, "text_encoder", components.MODEL_FLAG)
-    encoder = UMT5Conditioner(components.block(text, "from_pretrained", "text_encoder"), device=device, dtype=dtype,
+    text = block(model_cfg, "text_encoder", MODEL_FLAG)
+    encoder = UMT5Conditioner(block(text, "from_pretrained", "text_encoder"), device=device, dtype=dtype,
                               max_sequence_length=text.get("max_sequence_length", DEFAULT_TEXT_LEN))
-    ae = components.block(model_cfg, "ae", components.MODEL_FLAG)
-    vae = WanVaeDecoder(components.block(ae, "from_pretrained", "ae"), device=device, dtype=dtype)
+    ae = block(model_cfg, "ae", MODEL_FLAG)
+    vae = WanVaeDecoder(block(ae, "from_pretrained", "ae"), device=device, dtype=dtype)
     frames, height, width = video_size(model_cfg)
     shape = video_latent_shape(frames, height, width, model_cfg["predictor"].get("in_dim", 16))
     negative = encoder.encode([guidance.negative_prompt]) if guidance.cfg_scale != 1 else None

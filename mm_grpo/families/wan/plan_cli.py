@@ -3,16 +3,17 @@ Wan2.1 text-to-video, and how fast.
 
     mm-grpo plan --model wan2.1-14b --devices 16 --device-memory 64                 # every layout
     mm-grpo plan --model wan2.1-14b --devices 8 16 32 64 --lora-rank 0 64           # the best per size
-    python -m mm_grpo.plan --model wan2.1-1.3b --devices 8 --frames 33 --json
+    python -m mm_grpo.tools.plan --model wan2.1-1.3b --devices 8 --frames 33 --json
 
 One device count and one LoRA rank: every layout whose CP divides the heads and the video tokens
 and whose PP divides the blocks, ranked as for FLUX (the ones that fit by predicted seconds per
 video, then the others by memory, each with why it does not fit). Several device counts or ranks
-(0: full fine-tuning): one row each with the recommended layouts. Formulas: mm_grpo/plan/wan.py.
+(0: full fine-tuning): one row each with the recommended layouts. Formulas: mm_grpo/families/wan/plan.py.
 """
 import sys
 
-from mm_grpo.plan import flags, frozen_parts, wan
+from mm_grpo.families.wan import plan as wan
+from mm_grpo.plan import flags, frozen_parts
 from mm_grpo.plan import formulas as f
 from mm_grpo.plan.devices import GB
 

@@ -1,10 +1,10 @@
 """`mm-grpo plan`: which TP x PP x SP x DP layouts of N devices fit a GRPO run of FLUX, and how fast.
 
     mm-grpo plan --model flux-dev --devices 8 --device-memory 64 --height 1024 --width 1024
-    python -m mm_grpo.plan --model flux-dev --devices 16 --lora-rank 64 --json
+    python -m mm_grpo.tools.plan --model flux-dev --devices 16 --lora-rank 64 --json
     mm-grpo plan --model flux-dev --devices 1 --device h200 --height 512 --micro-batch-size 12 --lora-rank 64 \\
         --compile-blocks
-    mm-grpo plan --model wan2.1-14b --devices 8 16 32 64 --lora-rank 0 64   # video: wan_cli.py's flags
+    mm-grpo plan --model wan2.1-14b --devices 8 16 32 64 --lora-rank 0 64   # video: families/wan/plan_cli.py's flags
 
 Every layout whose TP x SP divides the heads and PP the blocks is listed, ranked: the ones that
 fit by predicted seconds per iteration, then the others by memory, each with why it does not
@@ -14,10 +14,11 @@ mm_grpo/plan/calibration.py; validation: docs/scaling.md.
 import argparse
 import sys
 
-from mm_grpo.encoders.latents import token_grid
+from mm_grpo.families.wan import plan as wan
+from mm_grpo.families.wan import plan_cli as wan_cli
+from mm_grpo.models.flux.latents import token_grid
 from mm_grpo.plan import flags, frozen_parts
 from mm_grpo.plan import formulas as f
-from mm_grpo.plan import wan, wan_cli
 from mm_grpo.plan.devices import GB
 
 LAYOUT = ("tp", "pp", "sp", "dp")  # a row's layout, as the table shows it
@@ -144,3 +145,7 @@ def console():
         print("usage: mm-grpo plan [--model ...] --devices N [...]  (mm-grpo plan --help)", file=sys.stderr)
         sys.exit(2)
     sys.exit(main(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

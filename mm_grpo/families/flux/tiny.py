@@ -6,7 +6,7 @@ runs load it through the same code paths as FLUX.1-dev. Both tokenizers are
 learnt here from a small caption corpus (CLIP: byte-level BPE;
 T5: a SentencePiece Unigram model, as T5's own), so nothing is downloaded.
 
-    python -m mm_grpo.tools.tiny --out DIR [--seed 0]
+    python -m mm_grpo.families.flux.tiny --out DIR [--seed 0]
 """
 import argparse
 import collections
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from mm_grpo.encoders.text import transformers_5
+from mm_grpo.families.flux.text import transformers_5
 from mm_grpo.files.atomic import atomic_dir
 from mm_grpo.models.flux.config import PRESETS
 

@@ -3,14 +3,14 @@
 Every component WanPipeline needs, with the real classes and Wan2.1's real scheduler, VAE
 strides and latent normalisation, only shrunk: tests and CPU smoke runs load it through the same
 code paths as Wan2.1-T2V-1.3B. The umT5 tokenizer is the SentencePiece Unigram model that
-mm_grpo.tools.tiny learns for FLUX's T5 (umT5 tokenizes the same way, with a larger vocabulary).
+mm_grpo.families.flux.tiny learns for FLUX's T5 (umT5 tokenizes the same way, with a larger vocabulary).
 
-    python -m mm_grpo.tools.tiny_wan --out DIR [--seed 0]
+    python -m mm_grpo.families.wan.tiny --out DIR [--seed 0]
 """
 import argparse
 
-from mm_grpo.encoders.wan import WAN_PATCH
-from mm_grpo.tools.tiny import T5_CONFIG, _seeded, build_t5_tokenizer, t5_token_ids, write_pipeline
+from mm_grpo.families.wan.encoders import WAN_PATCH
+from mm_grpo.families.flux.tiny import T5_CONFIG, _seeded, build_t5_tokenizer, t5_token_ids, write_pipeline
 
 TINY_TEXT_LEN = 16  # max_sequence_length for tiny runs (Wan2.1: 512)
 

@@ -2,9 +2,9 @@
 shapes grammar (every word one token), frozen random text encoders (T5 with a local attention
 prior, see `local_t5`), a trained VAE and a trained transformer.
 
-    python -m mm_grpo.tools.tiny_shapes init --vae VAE_DIR --out DIR [--seed 0]
+    python -m mm_grpo.families.flux.tiny_shapes init --vae VAE_DIR --out DIR [--seed 0]
         a pipeline folder with the given VAE, frozen random text encoders and a random transformer
-    python -m mm_grpo.tools.tiny_shapes finish --init DIR --transformer HF_DIR --out FINAL
+    python -m mm_grpo.families.flux.tiny_shapes finish --init DIR --transformer HF_DIR --out FINAL
         the same folder with a trained transformer (a diffusers folder, e.g. from mm-convert mm_to_hf)
 
 examples/flux/build_tiny_shapes.sh runs the whole recipe.
@@ -16,7 +16,7 @@ import torch
 
 from mm_grpo.data.shapes import BACKGROUNDS, ShapesConfig, enumerate_prompts
 from mm_grpo.files.atomic import atomic_dir
-from mm_grpo.tools import tiny
+from mm_grpo.families.flux import tiny
 
 # The tiny transformer with a wider model: D = 4 heads x 24 = 96 (heads divisible by TP x SP = 4).
 TRANSFORMER_CONFIG = dict(tiny.TRANSFORMER_CONFIG, attention_head_dim=24, axes_dims_rope=[4, 10, 10])
@@ -121,7 +121,8 @@ def finish_pipeline(init_dir, transformer_dir, out, dtype=torch.float16):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m mm_grpo.tools.tiny_shapes", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m mm_grpo.families.flux.tiny_shapes",
+                                     description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     init = sub.add_parser("init", help="pipeline with a trained VAE, random text encoders and transformer")
     init.add_argument("--vae", required=True, help="trained VAE folder (python -m mm_grpo.tools.train_tiny_vae)")
