@@ -58,6 +58,7 @@ from megatron.core.enums import ModelType
 from megatron.training import get_args
 
 import mm_grpo.mindspeed_mm.registry  # noqa: F401  (`"model_id": "flux"` in MindSpeed-MM's predictor mapping)
+from mm_grpo import configs
 from mm_grpo.checkpoint import resume
 from mm_grpo.data import PromptStream
 from mm_grpo.families.flux.denoiser import FluxGuidance
@@ -210,7 +211,7 @@ def _check_launch(argv) -> Launch:
     components.check_data_config(data_cfg, args.mm_data)
     model_cfg, data_cfg = components.resolve_paths(model_cfg, cwd), components.resolve_paths(data_cfg, cwd)
     for name in MODEL_BLOCKS:
-        components.block(model_cfg, name, "--mm-model")
+        configs.block(model_cfg, name, configs.MODEL_FLAG)
     if wan.is_wan(model_cfg):
         wan.check_wan_launch(args, model_cfg)
     elif args.pipeline_model_parallel_size > 1:

@@ -20,7 +20,7 @@ mm_grpo/families/flux/predictor_block.py, a reward's by its config class); `chec
 """
 import os
 
-from mm_grpo.configs import DEFAULT_IMAGE_SIZE, MODEL_FLAG, block, configured_size  # noqa: F401
+from mm_grpo.configs import MODEL_FLAG, block, configured_size
 from mm_grpo.data import PromptStream, read_prompts
 from mm_grpo.families.flux.parts import parts as flux_parts
 from mm_grpo.families.flux.predictor_block import KNOWN_KEYS as FLUX_PREDICTOR_KEYS

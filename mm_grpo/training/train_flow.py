@@ -30,6 +30,7 @@ from mm_grpo.models.flux.latents import LATENT_FACTOR, VAE_SCALE_FACTOR, pack_la
 from mm_grpo.parallel import initialize_parallel
 from mm_grpo.seeding import DEFAULT_SEED, Stream, seeded_generator
 from mm_grpo.settings import from_args, setting
+from mm_grpo import configs
 from mm_grpo.training import arguments, components
 from mm_grpo.training.checkpointing import check_resume
 from mm_grpo.training.entry import run_entry, train_and_report
@@ -84,7 +85,7 @@ class FeatureEncoder:
 
     def __init__(self, ae_block, text_block, dataset, in_channels, device, dtype, cache=False):
         from mm_grpo.families.flux.vae import load_vae
-        self.vae = load_vae(components.block(ae_block, "from_pretrained", "ae"), device=device)
+        self.vae = load_vae(configs.block(ae_block, "from_pretrained", "ae"), device=device)
         packed = 4 * self.vae.config.latent_channels
         if packed != in_channels:
             raise ValueError(f"the VAE has {self.vae.config.latent_channels} latent channels ({packed} packed), "
@@ -122,7 +123,7 @@ class FlowRun(ConfiguredRun):
     def __init__(self, args):
         super().__init__(args)
         check_resume(args)  # the iteration to resume: intact, before --train-iters
-        height, width = self.model_cfg.get("image_size", components.DEFAULT_IMAGE_SIZE)
+        height, width = configs.configured_size(self.model_cfg)
         if height != width and not args.height:
             raise ValueError(f"image_size {height}x{width}: flow-matching training reads square images "
                              "(centre-cropped); set a square image_size or --height")
@@ -130,7 +131,7 @@ class FlowRun(ConfiguredRun):
         if size % LATENT_FACTOR:
             raise ValueError(f"image size {size} must be a multiple of {LATENT_FACTOR} (VAE {VAE_SCALE_FACTOR} x packing 2)")
         self.size = size
-        params = components.block(self.data_cfg, "dataset_param", "--mm-data")
+        params = configs.block(self.data_cfg, "dataset_param", "--mm-data")
         if "data_folder" not in params:
             raise ValueError("--mm-data: dataset_param needs 'data_folder' (an image-caption folder)")
         folder = os.path.join(os.path.dirname(os.path.abspath(args.mm_data)), params["data_folder"])
@@ -146,8 +147,8 @@ class FlowRun(ConfiguredRun):
         self.settings.check(dp_size)
         self.model = build_trainable(args, self.flux_config, self.predictor, parallel)
         dtype = torch.bfloat16 if args.bf16 else torch.float32
-        self.features = FeatureEncoder(components.block(self.model_cfg, "ae", "--mm-model"),
-                                       components.block(self.model_cfg, "text_encoder", "--mm-model"),
+        self.features = FeatureEncoder(configs.block(self.model_cfg, "ae", "--mm-model"),
+                                       configs.block(self.model_cfg, "text_encoder", "--mm-model"),
                                        self.dataset, self.flux_config.in_channels, self.device, dtype,
                                        cache=bool(params.get("cache_features", False)))
         self.grid = token_grid(size, size)

@@ -19,6 +19,7 @@ from mm_grpo.families.flux.predictor_block import flux_config_from_block
 from mm_grpo.models.flux import lora
 from mm_grpo.models.flux.config import FluxConfig
 from mm_grpo.parallel import ParallelConfig
+from mm_grpo import configs
 from mm_grpo.training import arguments, components, run_guard
 from mm_grpo.training.loop import TrainingRun
 from mm_grpo.training.optim import build_optimizer, build_scheduler, unwrap, wrap_ddp
@@ -43,7 +44,7 @@ def run_configs(args) -> RunConfigs:
         raise ValueError("--bf16 with --tensor-model-parallel-size > 1 needs an accelerator: megatron-core's "
                          "tensor-parallel linears restore CUDA autocast in their backward, so bf16 autocast fails "
                          "on CPU (train in fp32 there, or with TP 1)")
-    predictor = components.block(model, "predictor", "--mm-model")
+    predictor = configs.block(model, "predictor", configs.MODEL_FLAG)
     flux_config = flux_config_from_block(dict(predictor, recompute_blocks=args.recompute_activations,
                                               bf16=args.bf16, compile_blocks=args.compile_blocks))
     return RunConfigs(model, data, predictor, flux_config)
