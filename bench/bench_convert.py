@@ -25,9 +25,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from converters.diffusers_io import write_diffusers_folder  # noqa: E402
-from mm_grpo.checkpoint.reader import expected_full_shapes  # noqa: E402
-from mm_grpo.models.flux.config import FluxConfig  # noqa: E402
-from mm_grpo.models.flux.hf_weights import expected_hf_shapes, open_diffusers_weights  # noqa: E402
+from mm_grpo.families.flux.checkpoint.reader import expected_full_shapes  # noqa: E402
+from mm_grpo.families.flux.transformer.config import FluxConfig  # noqa: E402
+from mm_grpo.families.flux.transformer.hf_weights import expected_hf_shapes, open_diffusers_weights  # noqa: E402
 
 GB = 1e9
 

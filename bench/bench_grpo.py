@@ -54,7 +54,7 @@ def matmul_throughput(device, dtype, size, repeats=5):
 
 def decode_flops(preset, paths, device) -> int:
     """FLOPs of one VAE decode (convolutions and attention), counted by FlopCounterMode."""
-    from mm_grpo.models.flux.latents import num_image_tokens
+    from mm_grpo.families.flux.transformer.latents import num_image_tokens
     _, decoder, _ = components(preset, paths, device)
     tokens = num_image_tokens(preset.height, preset.width)
     latent = torch.zeros(1, tokens, 4 * decoder.vae.config.latent_channels, device=device)
@@ -236,8 +236,8 @@ def main(argv=None):
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     torch.set_num_threads(args.threads)
     import mm_grpo
-    from mm_grpo.models.flux import FluxConfig
-    from mm_grpo.models.flux.latents import num_image_tokens
+    from mm_grpo.families.flux.transformer import FluxConfig
+    from mm_grpo.families.flux.transformer.latents import num_image_tokens
     platform = mm_grpo.get_platform()
     if platform.name == "cpu":  # the workers keep freed memory, as shell/launch_env.sh sets it for CPU runs
         os.environ.update({k: os.environ.get(k, v) for k, v in CPU_MALLOC_ENV.items()})

@@ -18,9 +18,9 @@ import mm_grpo  # noqa: F401  (platform first)
 from bench.bench_parallel_memory import MiB, SavedActivationMeter
 from bench.grpo_setup import PRESETS, optimizer_args
 from mm_grpo.families.flux.chunks import build_model_chunks, forward_backward
-from mm_grpo.models.flux import FluxConfig, lora
-from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
-from mm_grpo.models.flux.latents import num_image_tokens, token_grid
+from mm_grpo.families.flux.transformer import FluxConfig, lora
+from mm_grpo.families.flux.transformer.config import FLUX_DEV_GUIDANCE
+from mm_grpo.families.flux.transformer.latents import num_image_tokens, token_grid
 from mm_grpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 from mm_grpo.training.trainable import attach_lora, optimize
 

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from mm_grpo import kernels
-from mm_grpo.models.flux.embeddings import rope_tables
-from mm_grpo.models.flux.latents import prepare_latent_image_ids
+from mm_grpo.families.flux.transformer.embeddings import rope_tables
+from mm_grpo.families.flux.transformer.latents import prepare_latent_image_ids
 
 D, HEADS, N_TXT, GRID = 256, 2, 32, (16, 16)
 

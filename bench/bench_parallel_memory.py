@@ -30,8 +30,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import mm_grpo  # noqa: F401  (platform first)
 from mm_grpo.families.flux.chunks import build_model_chunks, forward_backward
-from mm_grpo.models.flux import FluxConfig
-from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
+from mm_grpo.families.flux.transformer import FluxConfig
+from mm_grpo.families.flux.transformer.config import FLUX_DEV_GUIDANCE
 from mm_grpo.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 from mm_grpo.parallel.state import init_process_group
 
@@ -115,7 +115,7 @@ def block_bytes(kind: str, lora_rank: int = 0, bf16: bool = True, hidden: int = 
     from torch.utils.checkpoint import checkpoint
 
     from mm_grpo import kernels
-    from mm_grpo.models.flux import FluxTransformer, lora
+    from mm_grpo.families.flux.transformer import FluxTransformer, lora
     d = hidden // heads
     rope_axes = (d // 8 * 2, d // 16 * 7, d - d // 8 * 2 - d // 16 * 7)  # FLUX's 16/56/56 proportions
     config = FluxConfig.preset("tiny").replace(num_attention_heads=heads, attention_head_dim=d,
@@ -161,7 +161,6 @@ def block_bytes(kind: str, lora_rank: int = 0, bf16: bool = True, hidden: int = 
 def block_bytes_table(args):
     """`block_bytes` of both kinds, full and LoRA, bf16 and fp32, beside mm-grpo plan's formulas (their
     per-token slope over the same two sequence lengths)."""
-    from mm_grpo.plan import formulas as f
     initialize_parallel(ParallelConfig())
     print(f"one FLUX block, D={args.hidden}, {args.heads} heads, {args.txt_len} text + 512 / 1024 image tokens; "
           f"bytes per token per hidden unit (bytes / D), measured | formula")
@@ -185,10 +184,11 @@ def formula_block_bytes(config: FluxConfig, index: int, lora_rank: int, bf16: bo
     (`index` 0: double, 1: single), its weight copies, its backward working set per token, and the
     per-token slope of the no-grad forward's working set (a double block's: the planner counts the
     larger) between the same two jobs (one sample, 512 and 1024 image tokens)."""
-    from mm_grpo.plan import formulas as f
+    from mm_grpo.families.flux import plan as f
+    from mm_grpo.plan.formulas import Layout
     jobs = [f.Job(bf16=bf16, lora_rank=lora_rank, micro_batch_size=1, text_tokens=txt_len, height=h, width=512)
             for h in (256, 512)]  # 512 and 1024 image tokens
-    layout, D, c = f.Layout(), config.hidden_size, f.activation_bytes(jobs[0])
+    layout, D, c = Layout(), config.hidden_size, f.activation_bytes(jobs[0])
     slope = lambda fn: (fn(jobs[1]) - fn(jobs[0])) / 512 / D  # noqa: E731
     return dict(saved_per_token=f.block_activation_bytes(config, 1, lora_rank, c)[index] / D,
                 weight_copies=f.weight_cast_bytes(jobs[0], block_trainable),
@@ -276,9 +276,9 @@ class RankAttention(torch.nn.Module):
 
 
 def text_layout_timing(args):
-    from mm_grpo.models.flux.blocks import DoubleStreamBlock, SingleStreamBlock
-    from mm_grpo.models.flux.embeddings import rope_tables
-    from mm_grpo.models.flux.model import transformer_config
+    from mm_grpo.families.flux.transformer.blocks import DoubleStreamBlock, SingleStreamBlock
+    from mm_grpo.families.flux.transformer.embeddings import rope_tables
+    from mm_grpo.families.flux.transformer.model import transformer_config
     initialize_parallel(ParallelConfig())
     config = bench_config(args)
     tconfig = transformer_config(config)

@@ -20,9 +20,9 @@ import torch
 
 from mm_grpo import get_platform
 from mm_grpo.families.flux.denoiser import FluxGuidance
+from mm_grpo.families.flux.transformer.latents import prepare_latent_image_ids
 from mm_grpo.grpo.draws import draw_noise, draw_trained_steps
 from mm_grpo.grpo.hyperparameters import GRPOSettings
-from mm_grpo.models.flux.latents import prepare_latent_image_ids
 from mm_grpo.rollout import sigma_schedule
 
 

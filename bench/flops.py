@@ -14,8 +14,8 @@ taken, and nothing before the first block's input projection needs a gradient at
 """
 import dataclasses
 
-from mm_grpo.models.flux.config import FluxConfig
-from mm_grpo.models.flux.embeddings import TIME_CHANNELS
+from mm_grpo.families.flux.transformer.config import FluxConfig
+from mm_grpo.families.flux.transformer.embeddings import TIME_CHANNELS
 
 
 @dataclasses.dataclass(frozen=True)

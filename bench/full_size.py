@@ -51,7 +51,7 @@ import torch
 from bench.bench_grpo import matmul_throughput
 from bench.flops import flux_flops, grpo_iteration_flops
 from bench.grpo_setup import PROMPTS, Preset, optimizer_args
-from mm_grpo.models.flux.latents import num_image_tokens
+from mm_grpo.families.flux.transformer.latents import num_image_tokens
 
 # FLUX.1's AutoencoderKL (the vae/config.json of black-forest-labs/FLUX.1-dev).
 FLUX_VAE_CONFIG = dict(
@@ -89,7 +89,7 @@ def write_frozen_parts(config, text_tokens: int, workdir: Path, tiny_vae: bool) 
 
 def bf16_velocity_error(chunks, config, paths, height, device) -> dict:
     """Velocity of two samples in bf16 against fp32 compute, same (fp32) weights."""
-    from mm_grpo.models.flux.latents import num_image_tokens, token_grid
+    from mm_grpo.families.flux.transformer.latents import num_image_tokens, token_grid
     from mm_grpo.families.flux.text import TextEmbeddingCache
     from mm_grpo.families.flux.chunks import conditioning, make_velocity_fn
     text = TextEmbeddingCache(paths["cache"]).get(PROMPTS[:2], device=device)
@@ -123,7 +123,7 @@ def planned(model: str, size: int, micro_batch: int, lora_rank: int, text_tokens
             compiled: bool, device: str, matmul_flops=None) -> dict:
     """`mm-grpo plan`'s row for this job on one card (TP = PP = SP = 1), at the matmul rate measured in
     this run where there is one."""
-    from mm_grpo.tools.plan import build_parser, plan
+    from mm_grpo.families.flux.plan_cli import build_parser, plan
     argv = ["--model", model, "--height", str(size), "--micro-batch-size", str(micro_batch),
             "--lora-rank", str(lora_rank), "--text-tokens", str(text_tokens), "--reward", REWARD,
             "--devices", "1", "--device", device, "--tp", "1", "--pp", "1", "--sp", "1",
@@ -190,7 +190,7 @@ class Run:
 def build(args, platform, config, paths, result) -> Run:
     """The model on the device, the bf16 check before the adapters, LoRA on the frozen base, DDP,
     the optimizer: as the trainer builds them (training/trainable.py), with random weights."""
-    from mm_grpo.models.flux import lora
+    from mm_grpo.families.flux.transformer import lora
     from mm_grpo.parallel import ParallelConfig, initialize_parallel
     from mm_grpo.families.flux.chunks import build_model_chunks
     from mm_grpo.seeding import DEFAULT_SEED
@@ -354,7 +354,7 @@ class CallInputs:
 
     @classmethod
     def make(cls, config, batch: int, height: int, text_tokens: int, device, seed: int = 0) -> "CallInputs":
-        from mm_grpo.models.flux.latents import prepare_latent_image_ids, token_grid
+        from mm_grpo.families.flux.transformer.latents import prepare_latent_image_ids, token_grid
         g = torch.Generator(device="cpu").manual_seed(seed)
         rnd = lambda *shape: torch.randn(*shape, generator=g).bfloat16().float().to(device)  # noqa: E731
         return cls(hidden_states=rnd(batch, num_image_tokens(height, height), config.in_channels),
@@ -608,7 +608,7 @@ class Anchors:
     def mm_grpo(self):
         """The trainer's model (build_model_chunks, fp32), diffusers' weights loaded, its fp32 velocity,
         then LoRA as the trainer attaches it under --bf16 (frozen bf16 base) and the eager timings."""
-        from mm_grpo.models.flux import lora
+        from mm_grpo.families.flux.transformer import lora
         from mm_grpo.parallel import ParallelConfig, initialize_parallel
         from mm_grpo.families.flux.chunks import build_model_chunks, load_hf_weights_into_chunks
         from mm_grpo.seeding import DEFAULT_SEED
@@ -780,7 +780,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     import mm_grpo
-    from mm_grpo.models.flux import FluxConfig
+    from mm_grpo.families.flux.transformer import FluxConfig
     platform = mm_grpo.get_platform()
     if args.compile_backend:
         use_compile_backend(args.compile_backend)

@@ -141,7 +141,7 @@ def build_mm_grpo(preset: Preset, paths: dict, device, schedule_cls=None, lora_c
     a model.json reward block instead of the preset's reward."""
     import functools
     from mm_grpo.grpo.schedule import GRPOSchedule
-    from mm_grpo.models.flux import FluxConfig
+    from mm_grpo.families.flux.transformer import FluxConfig
     from mm_grpo.families.flux.chunks import load_pretrained
     from mm_grpo.parallel import ParallelConfig, initialize_parallel
     from mm_grpo.families.flux.chunks import build_model_chunks

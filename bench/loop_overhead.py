@@ -87,7 +87,7 @@ class Setup:
         from mm_grpo.grpo.hyperparameters import GRPOSettings
         from mm_grpo.grpo.schedule import GRPOSchedule
         from mm_grpo.families.flux.denoiser import FluxDenoiser
-        from mm_grpo.models.flux import FluxConfig, lora
+        from mm_grpo.families.flux.transformer import FluxConfig, lora
         from mm_grpo.parallel import ParallelConfig, initialize_parallel
         from mm_grpo.families.flux.chunks import build_model_chunks
         from mm_grpo.seeding import DEFAULT_SEED

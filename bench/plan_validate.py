@@ -11,7 +11,7 @@ images: 256 image + 32 text tokens, G = 12, N = 16, fp32), one layout after anot
 processes. Measured: the peak over the run of the bytes of all live tensor storages of the rank,
 counted at every allocation by a dispatch mode (`LiveTensorMeter`: what an allocator's
 `max_memory_allocated` reports, without the allocator's caching and fragmentation; the process
-baseline, imports and libraries, is not in it). Predicted: `mm_grpo.plan.formulas.rank_memory`
+baseline, imports and libraries, is not in it). Predicted: `mm_grpo.families.flux.plan.rank_memory`
 for the same model, components, batch and layout; the table shows the worst rank of each.
 """
 import argparse
@@ -155,7 +155,7 @@ def measure(argv):
 
 
 def job_of(preset, steps, mbs, extra):
-    from mm_grpo.plan.formulas import Job
+    from mm_grpo.families.flux.plan import Job
     return Job(height=preset.height, width=preset.width, text_tokens=preset.text_tokens,
                num_generations=preset.num_generations, prompts_per_iteration=preset.prompts_per_iteration,
                num_inference_steps=steps, timestep_fraction=preset.timestep_fraction, micro_batch_size=mbs,
@@ -167,8 +167,9 @@ def job_of(preset, steps, mbs, extra):
 
 def predict(row, paths):
     """The plan's prediction for every rank of a measured row: the worst rank's breakdown."""
-    from mm_grpo.plan.frozen_parts import components_of_pipeline
-    from mm_grpo.plan.formulas import Layout, model_of, rank_memory
+    from mm_grpo.families.flux.plan import components_of_pipeline
+    from mm_grpo.families.flux.plan import model_of, rank_memory
+    from mm_grpo.plan.formulas import Layout
     tp, pp, sp, extra = LAYOUTS[row["layout"]]
     job = job_of(PRESETS["bench"], row["steps"], row["mbs"], extra)
     comps = components_of_pipeline(paths["pipeline"], reward=PRESETS["bench"].reward, text_cache=True)
@@ -247,7 +248,7 @@ def report(path):
 
 
 def probe_vae():
-    """Values per output pixel of one image's no-grad decode (plan/frozen_parts.py's constants): the
+    """Values per output pixel of one image's no-grad decode (families/flux/plan.py's constants): the
     FLUX.1 VAE architecture (random weights; the slope between 64 and 128 px, where the full-resolution
     levels dominate) and the bench pipeline's tiny VAE at 256 px, both fp32."""
     from diffusers import AutoencoderKL
@@ -310,16 +311,17 @@ TIME_RUNS = [
 
 def time_report():
     """The plan's seconds for each of TIME_RUNS (its card at the matmul rate measured with it) against the measured."""
-    from mm_grpo.models.flux import FluxConfig
+    from mm_grpo.families.flux.transformer import FluxConfig
     from mm_grpo.plan import devices
-    from mm_grpo.plan import formulas as f
-    from mm_grpo.plan.frozen_parts import flux_components
-    comps = flux_components(reward="jpeg_compressibility")
+    from mm_grpo.families.flux import plan as f
+    from mm_grpo.plan.formulas import Layout
+    from mm_grpo.families.flux.plan import components
+    comps = components(reward="jpeg_compressibility")
     print("| run | measured s (rollout / train / decode) | predicted | iteration error | rollout | train |")
     print("|---|---|---|---|---|---|")
     for name, card, tflops, arch, fields, compiled, measured, source in TIME_RUNS:
         job = f.Job(width=fields["height"], num_generations=12, bf16=True, compile_blocks=compiled, **fields)
-        parts = f.iteration_time(FluxConfig.preset("flux-dev", **arch), comps, job, f.Layout(),
+        parts = f.iteration_time(FluxConfig.preset("flux-dev", **arch), comps, job, Layout(),
                                  devices.device(card, matmul_tflops=tflops)).parts
         planned = [parts[k] for k in ("rollout", "train", "decode_reward")]
         err = lambda a, b: f"{a / b - 1:+.1%}"  # noqa: E731

@@ -38,8 +38,8 @@ import time
 import torch
 
 from bench.grpo_setup import PRESETS, PROMPTS, build_mm_grpo, default_workdir, iteration_prompts, prepare
+from mm_grpo.families.flux.transformer.lora import LoRAConfig
 from mm_grpo.grpo.draws import draw_noise
-from mm_grpo.models.flux.lora import LoRAConfig
 
 ODE_ROLLOUT = dict(sampler="ode", init_same_noise=False)  # awm / nft: a group differs by its initial noises
 MODES = {

@@ -1,7 +1,7 @@
 """`mm-convert FluxConverter ...`: FLUX weights between diffusers / BFL files and Megatron shards.
 
 Every path streams: a weight is read (lazily, from safetensors or a shard file), merged
-and cut by the model's layout rules (`mm_grpo.models.flux.layout`), and its pieces are
+and cut by the model's layout rules (`mm_grpo.families.flux.transformer.layout`), and its pieces are
 written where the target files reserve them; no more than a few tensors are in memory.
 Targets are built in a temporary folder next to the target and renamed at the end; hf_to_mm
 into its own source folder (MindSpeed-MM's habit) adds the Megatron files beside the
@@ -24,19 +24,20 @@ import diffusers
 import torch
 from tqdm import tqdm
 
-from converters.bfl import BflWeights, looks_like_bfl
 from converters import flux_lora
+from converters.bfl import BflWeights, looks_like_bfl
 from converters.diffusers_io import INDEX_FILE, write_diffusers_folder
 from converters.mindspeed_mm import Converter
 from converters.target_guard import prepare_target
-from mm_grpo.checkpoint import CheckpointMeta, CheckpointWriter, MegatronCheckpoint, is_megatron_checkpoint
+from mm_grpo.checkpoint import CheckpointWriter, is_megatron_checkpoint
 from mm_grpo.checkpoint.paths import RELEASE, TRACKER_FILE
+from mm_grpo.families.flux.checkpoint import CheckpointMeta, MegatronCheckpoint
+from mm_grpo.families.flux.transformer import layout
+from mm_grpo.families.flux.transformer.config import PRESETS, FluxConfig
+from mm_grpo.families.flux.transformer.hf_weights import (SafetensorsWeights, check_hf_weights, open_diffusers_weights,
+                                            transformer_dir)
 from mm_grpo.files.atomic import atomic_dir, atomic_entries
 from mm_grpo.files.jsonfile import load_json
-from mm_grpo.models.flux import layout
-from mm_grpo.models.flux.config import PRESETS, FluxConfig
-from mm_grpo.models.flux.hf_weights import (SafetensorsWeights, check_hf_weights, open_diffusers_weights,
-                                            transformer_dir)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_SHARD_SIZE = "10GB"  # diffusers' save_pretrained default

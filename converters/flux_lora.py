@@ -1,7 +1,7 @@
 """FluxConverter's LoRA verbs: a LoRA training checkpoint (adapters only) to a diffusers FLUX LoRA
 file, and merged into its base weights (MindSpeed-MM's `merge_lora_to_base`).
 
-Both read mm-grpo's LoRA checkpoints (`mm_grpo/checkpoint/adapters.py`) and those of MindSpeed-MM's
+Both read mm-grpo's LoRA checkpoints (`mm_grpo/families/flux/checkpoint/adapters.py`) and those of MindSpeed-MM's
 own LoRA (`--lora-target-modules` in its `pretrain`: peft's adapter names, the LoRA settings and
 the flux predictor block in Megatron's saved `args`; any TP, PP 1).
 
@@ -16,15 +16,15 @@ from typing import Optional
 
 from safetensors.torch import save_file
 
-from mm_grpo.checkpoint.adapters import LORA_KEY, AdapterCheckpoint
 from mm_grpo.checkpoint.paths import SHARD_FILE, iteration_dir, shard_folders
 from mm_grpo.checkpoint.shard_io import ShardReader
+from mm_grpo.families.flux.checkpoint.adapters import LORA_KEY, AdapterCheckpoint
 from mm_grpo.families.flux.predictor_block import flux_config_from_block
+from mm_grpo.families.flux.transformer import layout
+from mm_grpo.families.flux.transformer import lora as flux_lora
+from mm_grpo.families.flux.transformer.config import FluxConfig
+from mm_grpo.families.flux.transformer.lora_hf import LORA_FILE, to_diffusers
 from mm_grpo.files.atomic import atomic_dir
-from mm_grpo.models.flux import layout
-from mm_grpo.models.flux import lora as flux_lora
-from mm_grpo.models.flux.config import FluxConfig
-from mm_grpo.models.flux.lora_hf import LORA_FILE, to_diffusers
 
 PEFT_ADAPTER_SUFFIX = ".default.weight"  # peft's name of an adapter's weight (its default adapter)
 

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from mm_grpo.families.flux.predictor_block import MINDSPEED_MM_NAMES
-from mm_grpo.models.flux import FluxConfig
+from mm_grpo.families.flux.transformer import FluxConfig
 from tests.testbed import TESTBED
 
 PRETRAIN_SORA = os.path.join(TESTBED, "MindSpeed-MM", "pretrain_sora.py")

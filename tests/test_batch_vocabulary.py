@@ -7,11 +7,12 @@ import re
 
 import pytest
 
+from mm_grpo.families.flux.plan import Job
 from mm_grpo.grpo.batch import GRPOBatch
 from mm_grpo.grpo.draws import draw_trained_steps
 from mm_grpo.grpo.hyperparameters import GRPOSettings
 from mm_grpo.grpo.timesteps import trained_steps_per_sample
-from mm_grpo.plan.formulas import GRPOJob, Job
+from mm_grpo.plan.formulas import GRPOJob
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GRPO_SCRIPTS = ("examples/flux/grpo_flux.sh", "examples/flux/mindspeed_mm/grpo_flux.sh", "examples/wan/grpo_wan.sh")

@@ -27,8 +27,8 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from converters.convert_cli import main as convert
-from mm_grpo.models.flux import lora
-from mm_grpo.models.flux.lora_hf import LORA_FILE, read_diffusers_lora
+from mm_grpo.families.flux.transformer import lora
+from mm_grpo.families.flux.transformer.lora_hf import LORA_FILE, read_diffusers_lora
 from mm_grpo.platform.adaptor import torch_compile_replaced
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.grpo_helpers import ADAM_LINEAR, SMOOTH_REWARD, grpo_argv, run_grpo, write_configs

@@ -19,11 +19,11 @@ from safetensors.torch import load_file, save_file
 
 from converters.bfl import diffusers_to_bfl
 from converters.convert_cli import main
-from mm_grpo.checkpoint import (CheckpointMeta, CheckpointWriter, MegatronCheckpoint, ShardReader,
-                                ShardWriter, load_megatron_checkpoint, write_shard)
+from mm_grpo.checkpoint import CheckpointWriter, ShardReader, ShardWriter, write_shard
 from mm_grpo.checkpoint.paths import META_KEY
 from mm_grpo.checkpoint.shard_io import Opaque, tensor_leaves
-from mm_grpo.models.flux import FluxConfig, FluxTransformer
+from mm_grpo.families.flux.checkpoint import CheckpointMeta, MegatronCheckpoint, load_megatron_checkpoint
+from mm_grpo.families.flux.transformer import FluxConfig, FluxTransformer
 from mm_grpo.parallel.pipeline_layout import stage_specs
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.utils import make_inputs, random_reference, reference_output, rel_err

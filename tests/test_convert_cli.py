@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from converters import flux
 from converters.convert_cli import main
 from mm_grpo.checkpoint.shard_io import ShardWriter
-from mm_grpo.models.flux import FluxConfig
+from mm_grpo.families.flux.transformer import FluxConfig
 from tests.utils import random_reference, run_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -15,7 +15,7 @@ import torch
 
 from bench.traffic import Traffic
 from mm_grpo import kernels
-from mm_grpo.models.flux import FluxConfig, FluxTransformer, lora
+from mm_grpo.families.flux.transformer import FluxConfig, FluxTransformer, lora
 from tests.fixtures import parallel_1proc  # noqa: F401
 
 # Two heads of FLUX's head_dim: the widths and per-head layout of FLUX, small enough for a CPU.

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from bench.flops import counted_flops, flux_flops, grpo_iteration_flops
-from mm_grpo.models.flux import FluxConfig, FluxTransformer
-from mm_grpo.models.flux.latents import prepare_latent_image_ids
+from mm_grpo.families.flux.transformer import FluxConfig, FluxTransformer
+from mm_grpo.families.flux.transformer.latents import prepare_latent_image_ids
 from tests.fixtures import parallel_1proc  # noqa: F401
 
 # Text and image lengths that differ, so swapping them in a formula would show.
@@ -71,7 +71,7 @@ def test_lora_flops_on_a_frozen_base_match_flop_counter(parallel_1proc, num_laye
     """LoRA on the recommended targets, base frozen: the adapters' products in the forward, no
     weight gradient of the base, nothing before the first block's input projection in the backward
     (first block double, or single when there is none)."""
-    from mm_grpo.models.flux import lora
+    from mm_grpo.families.flux.transformer import lora
     config = FluxConfig.preset("tiny", num_layers=num_layers, num_single_layers=2)
     model = FluxTransformer(config)
     rank = 3

@@ -4,9 +4,9 @@ import json
 import pytest
 import torch
 
-from mm_grpo.models.flux import FluxConfig, FluxTransformer
-from mm_grpo.models.flux.hf_weights import load_hf_weights
-from mm_grpo.models.flux.model import check_parallel_sizes
+from mm_grpo.families.flux.transformer import FluxConfig, FluxTransformer
+from mm_grpo.families.flux.transformer.hf_weights import load_hf_weights
+from mm_grpo.families.flux.transformer.model import check_parallel_sizes
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.utils import (assert_one_line_error, hf_grads_as_megatron, make_inputs, random_reference, reference_output,
                          rel_err)
@@ -125,8 +125,8 @@ def test_linears_compute_in_the_activations_dtype(parallel_1proc):
     tensor-parallel path (`layers._megatron`) runs under autocast to the activations' dtype and comes
     back in it. `forward_parts` equals the GEMM over the concatenation."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from mm_grpo.models.flux import layers
-    from mm_grpo.models.flux.model import transformer_config
+    from mm_grpo.families.flux.transformer import layers
+    from mm_grpo.families.flux.transformer.model import transformer_config
     tconfig = transformer_config(TINY)
     column, row = layers.column_linear(16, 24, tconfig), layers.row_linear(24, 16, tconfig)
     for layer in (column, row):
@@ -191,7 +191,7 @@ def test_config_roundtrips_through_diffusers_config(tmp_path):
 
 
 def test_full_size_parameter_count_matches_flux1_dev():
-    from mm_grpo.models.flux.hf_weights import expected_hf_shapes
+    from mm_grpo.families.flux.transformer.hf_weights import expected_hf_shapes
     shapes = expected_hf_shapes(FluxConfig.preset("flux-dev"))
     assert len(shapes) == 1160
     assert sum(torch.Size(s).numel() for s in shapes.values()) == 11_901_408_320

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bench.flops import grpo_iteration_flops
-from mm_grpo.models.flux import FluxConfig
+from mm_grpo.families.flux.transformer import FluxConfig
 
 
 def test_full_size_bench_runs_the_trainers_lora_iteration_at_two_micro_batches(tmp_path):

@@ -13,9 +13,9 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.normalization import RMSNorm
 
 from mm_grpo import kernels
-from mm_grpo.models.flux import FluxConfig, FluxTransformer
-from mm_grpo.models.flux.embeddings import rope_tables
-from mm_grpo.models.flux.latents import prepare_latent_image_ids
+from mm_grpo.families.flux.transformer import FluxConfig, FluxTransformer
+from mm_grpo.families.flux.transformer.embeddings import rope_tables
+from mm_grpo.families.flux.transformer.latents import prepare_latent_image_ids
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.testbed import install_standins
 from tests.utils import make_inputs, rel_err

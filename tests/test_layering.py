@@ -14,13 +14,13 @@ _ROW = re.compile(r"^\| (\d+) \| `([\w/.]+)` \|", re.M)
 
 
 def floors() -> dict:
-    """{unit: floor} from the table: a unit is a folder ('mm_grpo/models') or a top-level module
+    """{unit: floor} from the table: a unit is a folder ('mm_grpo/grpo') or a top-level module
     ('mm_grpo/kernels.py'; 'mm_grpo/__init__.py' is the package's own front door)."""
     return {path.rstrip("/"): int(floor) for floor, path in _ROW.findall(DESIGN.read_text())}
 
 
 def unit_of(module: str) -> str:
-    """The table's unit of a dotted module name: 'mm_grpo.models.flux.model' -> 'mm_grpo/models'."""
+    """The table's unit of a dotted module name: 'mm_grpo.families.flux.transformer.model' -> 'mm_grpo/families'."""
     parts = module.split(".")
     if parts[0] != "mm_grpo":
         return parts[0]
@@ -109,17 +109,16 @@ def test_the_check_sees_imports():
     assert floors()["mm_grpo/training"] > floors()["mm_grpo/grpo"]
 
 
-# What belongs to a model family: its package under mm_grpo/families (FLUX's run-time glue, denoiser,
-# parts and MindSpeed-MM predictor; Wan2.1's encoders, glue, planner and tiny pipeline), and what FLUX
-# still keeps below it: its transformer (models/), encoders and planner formulas; the MindSpeed-MM
-# glue and the tools. The GRPO core reaches a family only through the `Denoiser` it is handed.
+# What belongs to a model family: its package under mm_grpo/families (FLUX's transformer, its layout in
+# the checkpoint, run-time glue, denoiser, encoders, planner and MindSpeed-MM predictor; Wan2.1's
+# encoders, glue, planner and tiny pipeline), and what picks a family: the MindSpeed-MM glue and the
+# tools. The GRPO core reaches a family only through the `Denoiser` it is handed.
 FAMILIES = "mm_grpo/families"
-FAMILY_UNITS = (FAMILIES, "mm_grpo/models", "mm_grpo/plan", "mm_grpo/mindspeed_mm",
-                "mm_grpo/tools")
+FAMILY_UNITS = (FAMILIES, "mm_grpo/mindspeed_mm", "mm_grpo/tools")
 CORE_UNITS = ("mm_grpo/grpo", "mm_grpo/rollout", "mm_grpo/flow")
 # The shared floors every family stands on know no family package (training/ builds runs, so it may
 # import them; its loop, loop.py, may not).
-SHARED_UNITS = CORE_UNITS + ("mm_grpo/parallel", "mm_grpo/checkpoint", "mm_grpo/rewards", "mm_grpo/files",
+SHARED_UNITS = CORE_UNITS + ("mm_grpo/parallel", "mm_grpo/checkpoint", "mm_grpo/plan", "mm_grpo/rewards", "mm_grpo/files",
                              "mm_grpo/settings.py", "mm_grpo/seeding.py", "mm_grpo/configs.py", "mm_grpo/data",
                              "mm_grpo/kernels.py", "mm_grpo/platform")
 SHARED_MODULES = ("mm_grpo.training.loop",)
@@ -150,3 +149,36 @@ def test_the_family_check_sees_family_imports():
     known = modules()
     assert any(unit_of(name) == FAMILIES for name in imports(known["mm_grpo.training.components"], known))
     assert FAMILIES in unit_imports()["mm_grpo/training"]
+
+
+# --- the structure docs/design.md draws ------------------------------------------------------------
+def drawn_graph() -> str:
+    """The folder import graph as a mermaid flowchart: each unit with its floor, an arrow for each import
+    between units that no other path already implies (`python tests/test_layering.py` prints it)."""
+    edges = {unit: set(targets) for unit, targets in unit_imports().items()}
+
+    def reach(unit, seen):
+        for target in edges.get(unit, ()):
+            if target not in seen:
+                seen.add(target)
+                reach(target, seen)
+        return seen
+
+    table = floors()
+    node = lambda unit: unit.replace("mm_grpo/", "").replace("/", "_").replace(".py", "_py").replace(  # noqa: E731
+        "__init___py", "init")
+    lines = ["```mermaid", "flowchart TD"]
+    lines += [f'  {node(u)}["{u.replace("mm_grpo/", "")} ({table[u]})"]' for u in sorted(sorted(table), key=lambda u: -table[u])]
+    for unit in sorted(edges):
+        for target in sorted(edges[unit]):
+            if not any(target in reach(other, set()) for other in edges[unit] - {target}):
+                lines.append(f"  {node(unit)} --> {node(target)}")
+    return "\n".join(lines + ["```"])
+
+
+def test_the_design_draws_the_structure_of_the_imports():
+    assert drawn_graph() in DESIGN.read_text(), "docs/design.md's graph is stale: python tests/test_layering.py"
+
+
+if __name__ == "__main__":
+    print(drawn_graph())

@@ -3,8 +3,8 @@ adapters train, adapters off is the base, and the argument checks."""
 import pytest
 import torch
 
-from mm_grpo.models.flux import FluxConfig, FluxTransformer, lora
-from mm_grpo.models.flux.hf_weights import load_hf_weights
+from mm_grpo.families.flux.transformer import FluxConfig, FluxTransformer, lora
+from mm_grpo.families.flux.transformer.hf_weights import load_hf_weights
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.utils import assert_one_line_error, make_inputs, random_adapters, random_reference, rel_err
 

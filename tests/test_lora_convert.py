@@ -11,8 +11,8 @@ from diffusers import FluxPipeline, FluxTransformer2DModel
 from safetensors.torch import load_file
 
 from converters.convert_cli import main
-from mm_grpo.models.flux import FluxConfig, lora
-from mm_grpo.models.flux.lora_hf import LORA_FILE, read_diffusers_lora
+from mm_grpo.families.flux.transformer import FluxConfig, lora
+from mm_grpo.families.flux.transformer.lora_hf import LORA_FILE, read_diffusers_lora
 from tests.fixtures import parallel_1proc, peft_without_mindspeed_te_dummies  # noqa: F401
 from tests.grpo_helpers import SMOOTH_REWARD, grpo_argv, run_grpo, write_configs
 from tests.utils import assert_one_line_error, make_inputs, reference_output, rel_err

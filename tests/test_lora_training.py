@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from mm_grpo.models.flux import lora
+from mm_grpo.families.flux.transformer import lora
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.grpo_helpers import (SMOOTH_REWARD, flow_argv, grpo_argv, run_flow, run_grpo, write_configs,
                                 write_flow_configs)

@@ -1,5 +1,5 @@
 """mm-grpo reads FLUX checkpoints that Megatron saved, which carry no mm-grpo metadata: the layout
-is inferred from the shards and their saved args (mm_grpo/checkpoint/metadata.py).
+is inferred from the shards and their saved args (mm_grpo/families/flux/checkpoint/metadata.py).
 
 The writer (tests/megatron_save.py) is Megatron-LM's own save_checkpoint where megatron.training
 exists (MindSpeed-MM's environment, core_v0.12.1) and the legacy `--ckpt-format torch` tree with
@@ -16,10 +16,11 @@ import torch
 from safetensors.torch import load_file
 
 from converters.convert_cli import main
-from mm_grpo.checkpoint import CheckpointMeta, iteration_dir, load_megatron_checkpoint
+from mm_grpo.checkpoint import iteration_dir
 from mm_grpo.checkpoint.paths import META_KEY
-from mm_grpo.models.flux import FluxConfig, FluxTransformer
-from mm_grpo.models.flux.hf_weights import load_hf_weights
+from mm_grpo.families.flux.checkpoint import CheckpointMeta, load_megatron_checkpoint
+from mm_grpo.families.flux.transformer import FluxConfig, FluxTransformer
+from mm_grpo.families.flux.transformer.hf_weights import load_hf_weights
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.megatron_save import HAS_MEGATRON_TRAINING, legacy_args, legacy_save, megatron_save
 from tests.utils import assert_one_line_error, random_reference, run_main

@@ -29,9 +29,9 @@ import types
 import pytest
 import torch
 
+from mm_grpo.families.flux.transformer import FluxConfig
 from mm_grpo.files.lock import LOCK_FILE, RunFolderLocked
 from mm_grpo.grpo.batch import GRPOBatch
-from mm_grpo.models.flux import FluxConfig
 from mm_grpo.training.run_guard import TrainingStopped, UnusableSaveFolder
 from tests.fixtures import parallel_1proc, peft_without_mindspeed_te_dummies  # noqa: F401
 from tests.grpo_helpers import grpo_argv, run_grpo, write_configs
@@ -290,8 +290,8 @@ def test_mindspeed_mm_lora_checkpoint_converts_to_diffusers_and_merges(lora_runs
     (B x alpha / r), and diffusers' FLUX with that file loaded equals the merged model."""
     from diffusers import FluxPipeline, FluxTransformer2DModel
     from converters.convert_cli import main as convert
-    from mm_grpo.models.flux import lora
-    from mm_grpo.models.flux.lora_hf import read_diffusers_lora
+    from mm_grpo.families.flux.transformer import lora
+    from mm_grpo.families.flux.transformer.lora_hf import read_diffusers_lora
     ckpt = os.path.join(lora_runs["full"], "ckpt")
     exported, base, merged = (str(tmp_path / n) for n in ("lora", "base", "merged"))
     for verb, *options in (("lora_mm_to_hf", "source_path", ckpt, "target_path", exported),
@@ -322,8 +322,8 @@ def test_mindspeed_mm_lora_checkpoint_converts_to_diffusers_and_merges(lora_runs
 def _lora_checkpoint_copy(lora_runs, folder, layout_of, edit=lambda state: None):
     """Iteration 2 of the LoRA run rewritten as other shards: {shard folder: (tp rank, tp size)};
     `edit(state)` changes each shard's state before it is saved."""
-    from mm_grpo.models.flux import layout
-    from mm_grpo.models.flux import lora
+    from mm_grpo.families.flux.transformer import layout
+    from mm_grpo.families.flux.transformer import lora
     config = FluxConfig.preset("tiny")  # the tiny pipeline's transformer
     rules = {r.megatron.removesuffix(".weight") + ".default.weight": r for base in lora.base_rules(
         config, lora.TARGETS) for r in lora.adapter_rules(base)}

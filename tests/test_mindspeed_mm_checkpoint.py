@@ -19,10 +19,11 @@ from safetensors.torch import load_file, save_file
 from converters import mindspeed_mm
 from converters.convert_cli import main
 from converters.flux import FluxConverter
-from mm_grpo.checkpoint import ShardReader, load_megatron_checkpoint
+from mm_grpo.checkpoint import ShardReader
 from mm_grpo.checkpoint.paths import META_KEY
-from mm_grpo.models.flux import FluxConfig, FluxTransformer
-from mm_grpo.models.flux.hf_weights import load_hf_weights
+from mm_grpo.families.flux.checkpoint import load_megatron_checkpoint
+from mm_grpo.families.flux.transformer import FluxConfig, FluxTransformer
+from mm_grpo.families.flux.transformer.hf_weights import load_hf_weights
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.testbed import REPO, TESTBED_PATHS, require_testbed
 from tests.utils import random_reference

@@ -1,6 +1,6 @@
 """MindSpeed-MM's own LoRA (`--lora-target-modules`: its lora_patch wraps the model provider in
 peft's LoRA) on mm-grpo's FLUX, built by pretrain_sora.py's model provider through Megatron's
-`get_model` as MindSpeed-MM patches it. The oracle is mm-grpo's own LoRA (models/flux/lora.py,
+`get_model` as MindSpeed-MM patches it. The oracle is mm-grpo's own LoRA (families/flux/transformer/lora.py,
 written without peft) holding the same A and B: the flow-matching step's loss and every adapter's
 gradient agree, peft adapts exactly the linears mm-grpo's LoRA adapts for the same names, and only
 adapters train. GRPO with this LoRA inside `pretrain` (its KL reference, save and resume):
@@ -8,10 +8,10 @@ tests/test_mindspeed_grpo.py."""
 import pytest
 import torch
 
+from mm_grpo.families.flux.transformer import FluxConfig, FluxTransformer, lora
+from mm_grpo.families.flux.transformer.hf_weights import load_hf_weights
+from mm_grpo.families.flux.transformer.latents import pack_latents, prepare_latent_image_ids
 from mm_grpo.flow.matching import flow_matching_loss
-from mm_grpo.models.flux import FluxConfig, FluxTransformer, lora
-from mm_grpo.models.flux.hf_weights import load_hf_weights
-from mm_grpo.models.flux.latents import pack_latents, prepare_latent_image_ids
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.sora_helpers import (PEFT_ADAPTER, feature_batch, peft_adapters, pretrain_sora, record_q_sample,
                                 set_megatron_args, write_configs)

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from mm_grpo.families.flux.predictor_block import flux_config_from_block
+from mm_grpo.families.flux.transformer import FluxConfig, FluxTransformer
+from mm_grpo.families.flux.transformer.hf_weights import load_hf_weights
+from mm_grpo.families.flux.transformer.latents import pack_latents, prepare_latent_image_ids
 from mm_grpo.files.jsonfile import load_json
 from mm_grpo.flow.matching import flow_matching_loss
-from mm_grpo.models.flux import FluxConfig, FluxTransformer
-from mm_grpo.models.flux.hf_weights import load_hf_weights
-from mm_grpo.models.flux.latents import pack_latents, prepare_latent_image_ids
 from mm_grpo.tools.write_features import main as write_features
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.sora_helpers import (feature_batch, predictor_block, pretrain_sora, record_q_sample, set_megatron_args,

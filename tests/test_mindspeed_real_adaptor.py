@@ -63,8 +63,8 @@ def test_flux_transformer_config_ignores_the_command_lines_megatron_arguments():
     from megatron.training import global_vars
     from megatron.training.arguments import parse_args
     from mindspeed.patch_utils import MindSpeedPatchesManager
-    from mm_grpo.models.flux.config import FluxConfig
-    from mm_grpo.models.flux.model import transformer_config
+    from mm_grpo.families.flux.transformer.config import FluxConfig
+    from mm_grpo.families.flux.transformer.model import transformer_config
     from mm_grpo.parallel.state import destroy_parallel, initialize_parallel
     # pretrain_flux.sh's flags that name TransformerConfig fields or change their defaults.
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--micro-batch-size", "1",

@@ -8,9 +8,9 @@ from transformers import T5TokenizerFast
 from mm_grpo.families.flux import tiny
 from mm_grpo.families.flux.text import TextEmbeddingCache, TextEncoders, save_text_embeddings
 from mm_grpo.families.flux.tiny import build_tiny_pipeline
-from mm_grpo.families.flux.vae import VaeDecoder
-from mm_grpo.models.flux.latents import (latent_size, num_image_tokens, pack_latents, prepare_latent_image_ids,
+from mm_grpo.families.flux.transformer.latents import (latent_size, num_image_tokens, pack_latents, prepare_latent_image_ids,
                                          unpack_latents)
+from mm_grpo.families.flux.vae import VaeDecoder
 
 PROMPTS = ["a photo of a cat sitting on a red chair", "A fox running through the autumn forest at night, digital art!"]
 SEQ = 16  # T5 length for the tiny pipeline (the second prompt is longer: truncation path)

@@ -8,11 +8,11 @@ import os
 import pytest
 
 from bench.plan_validate import LiveTensorMeter
-from mm_grpo.models.flux import FluxConfig
+from mm_grpo.families.flux import plan as f
+from mm_grpo.families.flux.transformer import FluxConfig
 from mm_grpo.plan import calibration
-from mm_grpo.plan import formulas as f
+from mm_grpo.plan.formulas import Layout
 from mm_grpo.tools.plan import main
-from mm_grpo.plan.frozen_parts import components_of_pipeline, flux_components
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.grpo_helpers import run_grpo, write_configs
 
@@ -27,7 +27,7 @@ def test_prediction_within_10_percent_of_a_tiny_trainer_run(parallel_1proc, tiny
     64 px, G = 4 x 2 prompts, N = 6), over the run and within the optimizer steps (the training
     phase), against the plan's peaks for the same run: full, and LoRA with the KL term (the
     reference is the base, adapters off), in fp32 and under --bf16 (the frozen base in bf16)."""
-    from mm_grpo.models.flux.lora import RECOMMENDED_TARGETS
+    from mm_grpo.families.flux.transformer.lora import RECOMMENDED_TARGETS
     from mm_grpo.training import train_grpo
     model_json, data_json = write_configs(tmp_path, tiny_pipeline_dir)
     argv = ["--mm-model", model_json, "--mm-data", data_json, "--train-iters", "2", "--prompts-per-iteration", "2",
@@ -55,8 +55,8 @@ def test_prediction_within_10_percent_of_a_tiny_trainer_run(parallel_1proc, tiny
                 num_inference_steps=6, micro_batch_size=2, lora_rank=lora_rank, recompute=False,
                 distributed_optimizer=False, bf16=bf16, param_dtype="fp32", kl_reference=kl_beta > 0,
                 text_cache=False)
-    comps = components_of_pipeline(str(tiny_pipeline_dir), reward="jpeg_compressibility", text_cache=False)
-    predicted = f.rank_memory(config, comps, job, f.Layout()).worst
+    comps = f.components_of_pipeline(str(tiny_pipeline_dir), reward="jpeg_compressibility", text_cache=False)
+    predicted = f.rank_memory(config, comps, job, Layout()).worst
     print(f"\npredicted {predicted.peak_bytes / 2**20:.2f} MiB ({predicted.peak_phase}), measured "
           f"{meter.peak / 2**20:.2f} ({meter.peak_phase}); train phase predicted "
           f"{predicted.phases['train'] / 2**20:.2f}, measured {meter.phase_peaks['train'] / 2**20:.2f}")
@@ -68,7 +68,7 @@ def test_prediction_within_10_percent_of_a_tiny_trainer_run(parallel_1proc, tiny
 @pytest.mark.parametrize("stage, pp", [(0, 1), (0, 2), (1, 2), (0, 4), (3, 4)])
 def test_parameter_count_matches_the_built_model(parallel_1proc, stage, pp):
     """stage_params (counted by hand) equals the parameters of the stage FluxTransformer builds."""
-    from mm_grpo.models.flux import FluxTransformer, transformer_config
+    from mm_grpo.families.flux.transformer import FluxTransformer, transformer_config
     config = FluxConfig.preset("tiny", num_single_layers=6)  # 8 blocks: PP 4 splits 2 / 2 / 2 / 2
     counts = f.stage_blocks(config.num_blocks, pp)
     start = sum(counts[:stage])
@@ -90,9 +90,9 @@ def test_flux_dev_full_tp1_dp8_on_64gb_does_not_fit():
     """The issue's arithmetic: bf16 weights 24 GB + bf16 gradients 24 GB + fp32 master weights and
     Adam moments (12 bytes / parameter) sharded over 8 ranks, 18 GB, exceed 64 GB before any
     activation. The trainer's gradients are fp32 (grad_reduce_in_fp32), so its total is larger still."""
-    config, layout = FluxConfig.preset("flux-dev"), f.Layout(tp=1, pp=1, sp=1, dp=8)
+    config, layout = FluxConfig.preset("flux-dev"), Layout(tp=1, pp=1, sp=1, dp=8)
     params = f.total_params(config)
-    mem = f.rank_memory(config, flux_components(), _sanity_job(param_dtype="bf16"), layout).worst
+    mem = f.rank_memory(config, f.components(), _sanity_job(param_dtype="bf16"), layout).worst
     assert mem.terms["weights"] == 2 * params  # 23.8 GB
     assert mem.terms["optimizer"] == pytest.approx(12 * params / 8)  # 17.9 GB
     issue_total = 2 * params + 2 * params + 12 * params / 8
@@ -100,7 +100,7 @@ def test_flux_dev_full_tp1_dp8_on_64gb_does_not_fit():
     assert mem.terms["main_grads"] == 4 * params
     assert mem.peak_bytes > issue_total > 64 * GB
     # mm-grpo's trainer as it is (fp32 parameters): 47.6 + 47.6 + 8 x 11.9 / 8 GB.
-    fp32 = f.rank_memory(config, flux_components(), _sanity_job(), layout).worst
+    fp32 = f.rank_memory(config, f.components(), _sanity_job(), layout).worst
     assert fp32.terms["weights"] + fp32.terms["main_grads"] + fp32.terms["optimizer"] == pytest.approx(9 * params)
 
 
@@ -122,9 +122,9 @@ def test_some_flux_dev_full_layout_on_8x64gb_fits(capsys):
 def test_lora_keeps_no_gradients_or_optimizer_states_for_the_base():
     """Adapters are the only trained parameters; the KL reference is the base itself (no copy);
     under bf16 the frozen base is held in bf16 (trainable.py `freeze_base_in_bf16`)."""
-    config, layout = FluxConfig.preset("flux-dev"), f.Layout(tp=2, pp=1, sp=1, dp=4)
-    full = f.rank_memory(config, flux_components(), _sanity_job(kl_reference=True), layout).worst.terms
-    lora = f.rank_memory(config, flux_components(), _sanity_job(lora_rank=64, kl_reference=True), layout).worst.terms
+    config, layout = FluxConfig.preset("flux-dev"), Layout(tp=2, pp=1, sp=1, dp=4)
+    full = f.rank_memory(config, f.components(), _sanity_job(kl_reference=True), layout).worst.terms
+    lora = f.rank_memory(config, f.components(), _sanity_job(lora_rank=64, kl_reference=True), layout).worst.terms
     base, adapters = f.stage_params(config, 2, 1, 0, lora_rank=64)
     assert lora["main_grads"] == 4 * adapters and lora["optimizer"] == 8 * adapters / 4
     assert full["weights"] == full["kl_reference"] == 4 * base and lora["kl_reference"] == 0
@@ -137,7 +137,7 @@ def test_lora_keeps_no_gradients_or_optimizer_states_for_the_base():
 
 def test_frozen_bf16_base_holds_what_the_plan_counts(parallel_1proc):
     """weights_bytes with LoRA under bf16 equals the bytes of a model lora.freeze_base_in_bf16 made."""
-    from mm_grpo.models.flux import FluxTransformer, lora, transformer_config
+    from mm_grpo.families.flux.transformer import FluxTransformer, lora, transformer_config
     config = FluxConfig.preset("tiny").replace(bf16=True)
     model = FluxTransformer(config, transformer_config(config), True, True, (0, config.num_blocks))
     lora.add_adapters(model, lora.LoRAConfig(r=8), seed=0)
@@ -176,7 +176,7 @@ def test_block_terms_match_what_autograd_saves(parallel_1proc, bf16, lora_rank):
 
 def test_lora_adapter_count_matches_the_built_model(parallel_1proc):
     """stage_params' adapters (counted by hand) equal those lora.add_adapters puts on the model."""
-    from mm_grpo.models.flux import FluxTransformer, lora, transformer_config
+    from mm_grpo.families.flux.transformer import FluxTransformer, lora, transformer_config
     config = FluxConfig.preset("tiny")
     model = FluxTransformer(config, transformer_config(config), True, True, (0, config.num_blocks))
     lora.add_adapters(model, lora.LoRAConfig(r=8), seed=0)
@@ -248,8 +248,8 @@ def test_peaks_match_the_gpu_measurements(arch, job, measured_gib, source):
     """The prediction is within 5% of the GPU's peak (not calibrated on it)."""
     config = FluxConfig.preset("flux-dev", **arch)
     job = f.Job(width=job["height"], num_generations=12, bf16=True, **job)
-    memory = f.rank_memory(config, flux_components(reward="jpeg_compressibility"), job,
-                           f.Layout(tp=1, pp=1, sp=1, dp=1)).worst
+    memory = f.rank_memory(config, f.components(reward="jpeg_compressibility"), job,
+                           Layout(tp=1, pp=1, sp=1, dp=1)).worst
     assert memory.peak_bytes / 2**30 == pytest.approx(measured_gib, rel=0.05)
 
 
@@ -257,7 +257,7 @@ def test_bf16_layout_halves_the_activations():
     """Under --bf16 every activation term of the formulas is the bf16 layout's, about half of fp32
     compute's (the fp32 statistics aside), and the frozen bf16 base's biases count 2 bytes."""
     config = FluxConfig.preset("flux-dev")
-    comps, layout = flux_components(reward="jpeg_compressibility"), f.Layout()
+    comps, layout = f.components(reward="jpeg_compressibility"), Layout()
     jobs = {bf16: f.Job(height=512, width=512, num_generations=12, micro_batch_size=12, lora_rank=64, bf16=bf16)
             for bf16 in (True, False)}
     terms = {bf16: f.rank_memory(config, comps, job, layout).worst.terms for bf16, job in jobs.items()}
@@ -284,7 +284,7 @@ MEASURED_ITERATIONS = [
 def test_time_within_10_percent_of_the_measured_iterations(device, tflops, compiled, phases, iteration):
     """The plan's seconds, as bench/full_size.py asks for them (`plan(build_parser().parse_args(argv))[3]`),
     against the measured iteration and its rollout and training phases, within 10% (issue 48)."""
-    from mm_grpo.tools.plan import build_parser, plan
+    from mm_grpo.families.flux.plan_cli import build_parser, plan
     argv = ["--model", "flux-dev", "--height", "512", "--micro-batch-size", "12", "--lora-rank", "64",
             "--text-tokens", "512", "--reward", "jpeg_compressibility", "--devices", "1", "--device", device,
             "--matmul-tflops", str(tflops), "--tp", "1", "--pp", "1", "--sp", "1", "--recompute"]
@@ -314,16 +314,16 @@ def test_recalibrating_is_changing_the_measured_figures(monkeypatch):
     """The efficiencies follow calibration.py's figures: halving a measured phase's seconds halves the
     planned phase (less its weight traffic, a hand count); the other phases do not move."""
     from mm_grpo.plan import calibration, devices
-    config, comps = FluxConfig.preset("flux-dev"), flux_components(reward="jpeg_compressibility")
+    config, comps = FluxConfig.preset("flux-dev"), f.components(reward="jpeg_compressibility")
     job = f.Job(**calibration.CALIBRATION_JOB)
     h200 = devices.device("h200", matmul_tflops=calibration.EAGER_TRAIN.matmul_tflops)
 
     def planned():
         f.efficiency.cache_clear()
-        return f.iteration_time(config, comps, job, f.Layout(), h200).parts
+        return f.iteration_time(config, comps, job, Layout(), h200).parts
 
     before = planned()
-    traffic = f.weight_traffic_bytes(config, job, f.Layout(), 12)["train"] / h200.hbm_bw
+    traffic = f.weight_traffic_bytes(config, job, Layout(), 12)["train"] / h200.hbm_bw
     new = calibration.Measured(calibration.EAGER_TRAIN.seconds / 2, calibration.EAGER_TRAIN.matmul_tflops, "test")
     monkeypatch.setitem(calibration.PHASES["eager"], "train", new)
     try:
@@ -342,9 +342,9 @@ def test_compiled_blocks_are_faster_where_the_runtime_compiles():
     torch.compile a no-op) it plans the eager path. A device without a measured matmul rate is taken
     at the calibration card's fraction of its peak."""
     from mm_grpo.plan import calibration, devices
-    config, comps = FluxConfig.preset("flux-dev"), flux_components()
+    config, comps = FluxConfig.preset("flux-dev"), f.components()
     seconds = {(name, c): f.iteration_time(config, comps, f.Job(height=512, micro_batch_size=12, compile_blocks=c),
-                                           f.Layout(), devices.DEVICES[name]).seconds
+                                           Layout(), devices.DEVICES[name]).seconds
                for name in ("h200", "atlas-800t-a2") for c in (False, True)}
     assert seconds["h200", True] < seconds["h200", False]
     assert seconds["atlas-800t-a2", True] == seconds["atlas-800t-a2", False]
@@ -355,10 +355,10 @@ def test_compiled_blocks_are_faster_where_the_runtime_compiles():
 def test_mfu_overrides_the_calibration():
     """--mfu puts every phase at that fraction of the datasheet peak (the time model before calibration)."""
     from mm_grpo.plan import devices
-    config, comps, h100 = FluxConfig.preset("flux-dev"), flux_components(), devices.DEVICES["h100"]
+    config, comps, h100 = FluxConfig.preset("flux-dev"), f.components(), devices.DEVICES["h100"]
     job = f.Job(height=512, micro_batch_size=12)
-    low, high = (f.iteration_time(config, comps, job, f.Layout(), h100, mfu=m).parts for m in (0.2, 0.4))
+    low, high = (f.iteration_time(config, comps, job, Layout(), h100, mfu=m).parts for m in (0.2, 0.4))
     flops = f.phase_flops(config, job, job.batch)
-    traffic = f.weight_traffic_bytes(config, job, f.Layout(), 12)["rollout"] / h100.hbm_bw
+    traffic = f.weight_traffic_bytes(config, job, Layout(), 12)["rollout"] / h100.hbm_bw
     assert high["rollout"] == pytest.approx(flops["rollout"] / (0.4 * h100.peak_bf16_flops) + traffic)
     assert low["train"] > 1.9 * high["train"]

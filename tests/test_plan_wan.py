@@ -10,12 +10,12 @@ import sys
 import pytest
 import torch
 
-from mm_grpo.plan import formulas as f
+from mm_grpo.families.flux import plan as f
 from mm_grpo.families.wan import plan as wan
-from mm_grpo.plan import frozen_parts
+from mm_grpo.plan.devices import device
+from mm_grpo.plan.formulas import GRPOJob, Layout
 from mm_grpo.tools.plan import main
 from tests.fixtures import peft_without_mindspeed_te_dummies  # noqa: F401
-from mm_grpo.plan.devices import device
 
 GB = 10 ** 9
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,7 +60,7 @@ def test_video_job_adds_only_the_video_to_the_shared_grpo_job():
     """VideoJob is formulas.GRPOJob plus the video's own fields; N and the parameter dtype keep GRPOJob's
     flag and minimum with DanceGRPO's Wan recipe's defaults (FLUX's Job keeps GRPOJob's)."""
     from mm_grpo.settings import check_bounds
-    shared = {x.name for x in dataclasses.fields(f.GRPOJob)}
+    shared = {x.name for x in dataclasses.fields(GRPOJob)}
     assert {x.name for x in dataclasses.fields(wan.VideoJob)} - shared == {"frames", "height", "width", "cfg"}
     assert {x.name for x in dataclasses.fields(f.Job)} - shared == {"height", "width", "bf16", "compile_blocks"}
     video, image = wan.VideoJob(), f.Job()
@@ -101,7 +101,7 @@ def test_attention_dominates_at_480p_81_frames():
 
 
 def test_vae_decode_constants_against_a_measured_decode():
-    """frozen_parts' Wan VAE constants against diffusers' AutoencoderKLWan (random weights, fp32, CPU)
+    """The planner's Wan VAE constants against diffusers' AutoencoderKLWan (random weights, fp32, CPU)
     decoding 3 latent frames at 64 px (9 frames): the live set's peak (the live-tensor meter) and the
     convolution FLOPs (torch's counter)."""
     from diffusers import AutoencoderKLWan
@@ -110,7 +110,7 @@ def test_vae_decode_constants_against_a_measured_decode():
     from bench.plan_validate import LiveTensorMeter
     torch.manual_seed(0)
     vae = AutoencoderKLWan().eval().requires_grad_(False)
-    assert sum(p.numel() for p in vae.parameters()) == frozen_parts.WAN_VAE_PARAMS
+    assert sum(p.numel() for p in vae.parameters()) == wan.WAN_VAE_PARAMS
     job = wan.VideoJob(frames=9, height=64, width=64)
     meter = LiveTensorMeter()
     with FlopCounterMode(display=False) as counter, meter, torch.no_grad():
@@ -119,7 +119,7 @@ def test_vae_decode_constants_against_a_measured_decode():
     assert meter.peak / 4 == pytest.approx(predicted_values, rel=0.05)
     conv = counter.get_total_flops()
     t, h, w = wan.latent_grid(job.frames, job.height, job.width)
-    middle = t * 4 * (h * w) ** 2 * frozen_parts.WAN_VAE_MIDDLE_CHANNELS  # not seen by the counter on CPU
+    middle = t * 4 * (h * w) ** 2 * wan.WAN_VAE_MIDDLE_CHANNELS  # not seen by the counter on CPU
     assert wan.vae_decode_flops(job) - middle == pytest.approx(conv, rel=0.01)
 
 
@@ -129,27 +129,27 @@ def _job(**kw):
 
 @pytest.mark.parametrize("lora_rank", [0, 64])
 def test_memory_falls_as_cp_grows(lora_rank):
-    config, comps = wan.PRESETS["wan2.1-14b"], frozen_parts.wan_components()
-    peaks = [wan.rank_memory(config, comps, _job(lora_rank=lora_rank), f.Layout(pp=4, sp=cp)).peak_bytes
+    config, comps = wan.PRESETS["wan2.1-14b"], wan.components()
+    peaks = [wan.rank_memory(config, comps, _job(lora_rank=lora_rank), Layout(pp=4, sp=cp)).peak_bytes
              for cp in (1, 2, 4, 5, 8, 10, 20, 40)]
     assert all(a > b for a, b in zip(peaks, peaks[1:])), peaks
 
 
 @pytest.mark.parametrize("lora_rank", [0, 64])
 def test_memory_falls_as_pp_grows(lora_rank):
-    config, comps = wan.PRESETS["wan2.1-14b"], frozen_parts.wan_components()
-    peaks = [wan.rank_memory(config, comps, _job(lora_rank=lora_rank), f.Layout(pp=pp, sp=8)).peak_bytes
+    config, comps = wan.PRESETS["wan2.1-14b"], wan.components()
+    peaks = [wan.rank_memory(config, comps, _job(lora_rank=lora_rank), Layout(pp=pp, sp=8)).peak_bytes
              for pp in (1, 2, 4, 5, 8, 10, 20, 40)]
     assert all(a >= b for a, b in zip(peaks, peaks[1:])), peaks
-    held = [sum(wan.rank_memory(config, comps, _job(lora_rank=lora_rank), f.Layout(pp=pp, sp=8)).stages[0].terms[k]
+    held = [sum(wan.rank_memory(config, comps, _job(lora_rank=lora_rank), Layout(pp=pp, sp=8)).stages[0].terms[k]
                 for k in ("weights", "main_grads", "optimizer")) for pp in (1, 2, 4, 5, 8, 10, 20, 40)]
     assert all(a > b for a, b in zip(held, held[1:])), held
 
 
 def test_full_fine_tuning_terms_are_megatron_bf16():
     """bf16 weights, fp32 main gradients, fp32 master weights + Adam (12 bytes) over DP x CP."""
-    config, comps = wan.PRESETS["wan2.1-14b"], frozen_parts.wan_components()
-    layout = f.Layout(pp=4, sp=4, dp=2)
+    config, comps = wan.PRESETS["wan2.1-14b"], wan.components()
+    layout = Layout(pp=4, sp=4, dp=2)
     terms = wan.rank_memory(config, comps, _job(num_generations=12), layout).stages[1].terms
     params = 10 * wan.block_params(config)[0]
     assert terms["weights"] == 2 * params and terms["main_grads"] == 4 * params
@@ -160,7 +160,7 @@ def test_full_fine_tuning_terms_are_megatron_bf16():
 
 
 def test_recompute_and_lora_keep_fewer_activations():
-    config, comps, layout = wan.PRESETS["wan2.1-14b"], frozen_parts.wan_components(), f.Layout(sp=8)
+    config, comps, layout = wan.PRESETS["wan2.1-14b"], wan.components(), Layout(sp=8)
     act = {(r, rc): wan.rank_memory(config, comps, _job(lora_rank=r, recompute=rc), layout).worst.terms["activations"]
            for r in (0, 64) for rc in (True, False)}
     assert act[0, True] * 10 < act[0, False] and act[64, False] < act[0, False]
@@ -169,7 +169,7 @@ def test_recompute_and_lora_keep_fewer_activations():
 
 
 def test_cfg_doubles_the_work():
-    config, comps, layout = wan.PRESETS["wan2.1-14b"], frozen_parts.wan_components(), f.Layout(pp=4, sp=4)
+    config, comps, layout = wan.PRESETS["wan2.1-14b"], wan.components(), Layout(pp=4, sp=4)
     npu = device("atlas-800t-a2")
     on, off = (wan.iteration_time(config, comps, _job(cfg=c), layout, npu) for c in (True, False))
     assert on.parts["rollout"] == pytest.approx(2 * off.parts["rollout"])
@@ -181,12 +181,12 @@ def test_layouts_only_divide():
     lays = wan.layouts(config, job, 64)
     assert lays and all(lay.tp == 1 and lay.world == 64 for lay in lays)
     assert all(40 % lay.sp == 0 and 32_760 % lay.sp == 0 and 40 % lay.pp == 0 for lay in lays)
-    assert wan.check_layout(config, job, f.Layout(tp=2)) == wan.TP_REASON
-    assert "do not split over CP 3" in wan.check_layout(config, job, f.Layout(sp=3))
+    assert wan.check_layout(config, job, Layout(tp=2)) == wan.TP_REASON
+    assert "do not split over CP 3" in wan.check_layout(config, job, Layout(sp=3))
     wide = dataclasses.replace(job, width=848)  # 21 x 30 x 53 = 33,390 tokens
-    assert "33390 video tokens do not split over CP 4" in wan.check_layout(config, wide, f.Layout(sp=4))
-    assert "does not divide the 40 blocks" in wan.check_layout(config, job, f.Layout(pp=3))
-    assert wan.check_layout(config, job, f.Layout(pp=3), pipeline_num_layers=[13, 13, 14]) is None
+    assert "33390 video tokens do not split over CP 4" in wan.check_layout(config, wide, Layout(sp=4))
+    assert "does not divide the 40 blocks" in wan.check_layout(config, job, Layout(pp=3))
+    assert wan.check_layout(config, job, Layout(pp=3), pipeline_num_layers=[13, 13, 14]) is None
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -71,7 +71,7 @@ def test_the_conversion_commands_run(capsys, tiny_pipeline_dir, tmp_path):
 
 
 def test_the_model_snippet_runs(tiny_pipeline_dir):
-    from mm_grpo.models.flux.latents import prepare_latent_image_ids
+    from mm_grpo.families.flux.transformer.latents import prepare_latent_image_ids
     from mm_grpo.parallel import destroy_parallel
     snippet = block_with("python", "FluxTransformer(config)")
     snippet = snippet.replace(REAL_WEIGHTS, str(tiny_pipeline_dir)).replace("ParallelConfig(tp=2)", "ParallelConfig()")

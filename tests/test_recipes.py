@@ -190,8 +190,8 @@ def test_recipe_lora_adapts_the_modules_the_source_adapts(name):
     """PEFT's suffix match of the source's targets on diffusers' FLUX against the diffusers modules the
     recipe's --lora-target-modules adapt (their names in an exported LoRA file)."""
     from diffusers import FluxTransformer2DModel
-    from mm_grpo.models.flux import FluxConfig
-    from mm_grpo.models.flux.lora import base_rules
+    from mm_grpo.families.flux.transformer import FluxConfig
+    from mm_grpo.families.flux.transformer.lora import base_rules
     config = FluxConfig.preset("tiny")
     linears = [n for n, m in FluxTransformer2DModel(**config.to_diffusers_config()).named_modules()
                if isinstance(m, torch.nn.Linear)]

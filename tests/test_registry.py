@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 
 from mm_grpo.families.flux.mindspeed_mm import FluxPredictor
 from mm_grpo.families.flux.predictor_block import flux_config_from_block
+from mm_grpo.families.flux.transformer import FluxConfig
 from mm_grpo.mindspeed_mm.registry import MODEL_REGISTRY, build_model
-from mm_grpo.models.flux import FluxConfig
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.testbed import REPO, require_testbed, subprocess_env
 from tests.utils import assert_one_line_error, make_inputs, random_reference, reference_output, rel_err

@@ -166,7 +166,7 @@ def test_free_space_short_of_a_checkpoint_is_warned(parallel_1proc, configs, tmp
 
 def test_a_checkpoint_is_sized_by_what_it_holds(parallel_1proc):
     """Full fine-tuning saves every weight with Adam's two fp32 moments; a LoRA run its adapters only."""
-    from mm_grpo.models.flux import FluxConfig, FluxTransformer, lora
+    from mm_grpo.families.flux.transformer import FluxConfig, FluxTransformer, lora
     model = FluxTransformer(FluxConfig.preset("tiny"))
     assert run_guard.checkpoint_bytes([model]) == 12 * sum(p.numel() for p in model.parameters())
     lora.add_adapters(model, lora.LoRAConfig(r=4), seed=0)

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from mm_grpo.models.flux import FluxConfig, layout
+from mm_grpo.families.flux.transformer import FluxConfig, layout
 
 
 def rel_err(a, b):
@@ -115,8 +115,8 @@ def gather_hf_state_dict(chunks):
 def random_adapters(chunk, config, seed=5, std=0.05):
     """Whole random LoRA adapters {base weight's first diffusers name: (A, B)} for every target of
     the model (any chunk: shapes come from the layout), B non-zero unlike a new adapter's."""
-    from mm_grpo.models.flux import lora
-    from mm_grpo.models.flux.hf_weights import expected_hf_shapes
+    from mm_grpo.families.flux.transformer import lora
+    from mm_grpo.families.flux.transformer.hf_weights import expected_hf_shapes
     shapes = expected_hf_shapes(chunk.flux_config)
     g = torch.Generator().manual_seed(seed)
     out = {}
@@ -130,7 +130,7 @@ def random_adapters(chunk, config, seed=5, std=0.05):
 
 def gather_adapters(chunk, attr="data"):
     """Whole adapter tensors (param data or grad) of a chunk gathered over TP, by rule.hf."""
-    from mm_grpo.models.flux import lora
+    from mm_grpo.families.flux.transformer import lora
     params = dict(chunk.named_parameters())
     out = {}
     targets = {lora.target_of(n.rsplit(".lora_", 1)[0]) for n in params if ".lora_" in n}

@@ -2,7 +2,6 @@
 import os
 import shutil
 
-from mm_grpo.checkpoint.metadata import CheckpointMeta
 from mm_grpo.checkpoint.paths import CHECKPOINT_VERSION, META_KEY, RELEASE, SHARD_FILE, iteration_name, write_tracker
 from mm_grpo.checkpoint.shard_io import ShardWriter, write_shard
 from mm_grpo.files.atomic import replace_dir
@@ -30,9 +29,12 @@ class CheckpointWriter:
     `load_from_mm` reads only `model<N>` entries from PP shards, Megatron's `--load` reads
     `model`, and one object under two keys is stored once. The temporary name is fixed, so
     every rank of a job can write its own shards into it; one rank commits after a barrier.
+
+    `meta` is the family's metadata (FLUX's: families/flux/checkpoint/metadata.CheckpointMeta): its
+    `to_json()`, `shard_name(tp, pp)`, `pp_size` and `vpp_size` are what the writer reads.
     """
 
-    def __init__(self, root: str, meta: CheckpointMeta, iteration=RELEASE):
+    def __init__(self, root: str, meta, iteration=RELEASE):
         self.root, self.meta, self.iteration = root, meta, iteration
         self.name = iteration_name(iteration)
         self.tmp = temp_dir(root, iteration)

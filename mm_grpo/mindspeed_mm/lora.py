@@ -4,13 +4,13 @@ With `--lora-target-modules`, MindSpeed-MM's `lora_patch` (mindspeed_mm/tasks/fi
 the model `model_provider` returns in peft's LoRA: peft's Megatron layers replace the target
 parallel linears in place and freeze everything else, so the policy `pretrain` trains is the
 frozen base plus adapters. GRPO's KL reference is then that base, read through the policy with
-its adapters off (no second copy), as mm-grpo's own LoRA takes it (models/flux/lora.py
+its adapters off (no second copy), as mm-grpo's own LoRA takes it (families/flux/transformer/lora.py
 `AdaptersOff`)."""
 from typing import List
 
 from torch import nn
 
-from mm_grpo.models.flux import lora as flux_lora
+from mm_grpo.families.flux.transformer import lora as flux_lora
 
 
 def tuner_layers(model: nn.Module) -> list:

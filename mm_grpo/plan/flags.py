@@ -1,6 +1,7 @@
-"""The flags, checks and output of `mm-grpo plan` that FLUX (tools/plan.py) and Wan2.1
-(families/wan/plan_cli.py) share, declared once; each family adds its own (FLUX: --sp; Wan: --cp, --pipeline-num-layers). `several`:
-the family plans several device counts and LoRA ranks in one call (Wan: a summary row each)."""
+"""The flags, checks and output of `mm-grpo plan` that every family's planner shares (FLUX's
+families/flux/plan_cli.py, Wan2.1's families/wan/plan_cli.py), declared once; each family adds its
+own (FLUX: --sp; Wan: --cp, --pipeline-num-layers). `several`: the family plans several device
+counts and LoRA ranks in one call (Wan: a summary row each)."""
 import argparse
 import json
 import sys

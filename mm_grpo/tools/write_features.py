@@ -43,10 +43,10 @@ import torch
 
 from mm_grpo.data.image_captions import METADATA, ImageCaptionDataset, VideoCaptionDataset
 from mm_grpo.families.flux.text import MAX_SEQUENCE_LENGTH, TextEncoders
+from mm_grpo.families.flux.transformer.latents import latent_size
 from mm_grpo.families.flux.vae import encode_latents, load_vae
 from mm_grpo.families.wan.encoders import UMT5Conditioner, encode_video_latents, load_wan_vae, video_latent_shape
 from mm_grpo.files.atomic import atomic_dir
-from mm_grpo.models.flux.latents import latent_size
 from mm_grpo.settings import add_setting_args, from_args
 from mm_grpo.tools.encoding import EncoderSettings
 

@@ -9,9 +9,9 @@ import dataclasses
 from typing import Optional, Tuple
 
 from mm_grpo.families.flux.denoiser import FluxGuidance
+from mm_grpo.families.flux.transformer import lora
 from mm_grpo.files.jsonfile import load_json
 from mm_grpo.grpo.hyperparameters import GRPOSettings
-from mm_grpo.models.flux import lora
 from mm_grpo.parallel.ulysses import ULYSSES_CP_ALGO
 from mm_grpo.seeding import DEFAULT_SEED
 from mm_grpo.settings import accept_negative_numbers, add_setting_args, check_bounds, setting

@@ -21,15 +21,15 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from mm_grpo.checkpoint import checksum
-from mm_grpo.checkpoint.adapters import load_adapter_checkpoint
-from mm_grpo.checkpoint.loader import load_megatron_checkpoint
-from mm_grpo.checkpoint.metadata import CheckpointMeta
 from mm_grpo.checkpoint.paths import RELEASE, iteration_dir, model_key
-from mm_grpo.checkpoint.reader import MegatronCheckpoint
 from mm_grpo.checkpoint.resume import check_train_iters, resume_point, unreadable
 from mm_grpo.checkpoint.shard_io import load_file, save_file
 from mm_grpo.checkpoint.writer import CheckpointWriter, clear_stale
-from mm_grpo.models.flux.lora import adapter_state_dict, has_adapters
+from mm_grpo.families.flux.checkpoint.adapters import load_adapter_checkpoint
+from mm_grpo.families.flux.checkpoint.loader import load_megatron_checkpoint
+from mm_grpo.families.flux.checkpoint.metadata import CheckpointMeta
+from mm_grpo.families.flux.checkpoint.reader import MegatronCheckpoint
+from mm_grpo.families.flux.transformer.lora import adapter_state_dict, has_adapters
 from mm_grpo.training.optim import unwrap
 from mm_grpo.training.run_guard import guarded_save
 

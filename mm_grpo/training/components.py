@@ -24,8 +24,8 @@ from mm_grpo.configs import MODEL_FLAG, block, configured_size
 from mm_grpo.data import PromptStream, read_prompts
 from mm_grpo.families.flux.parts import parts as flux_parts
 from mm_grpo.families.flux.predictor_block import KNOWN_KEYS as FLUX_PREDICTOR_KEYS
+from mm_grpo.families.flux.transformer.latents import token_grid
 from mm_grpo.grpo.schedule import GRPOSchedule
-from mm_grpo.models.flux.latents import token_grid
 from mm_grpo.rewards.base import RewardConfig
 from mm_grpo.rewards.combined import CombinedReward
 from mm_grpo.settings import check_keys

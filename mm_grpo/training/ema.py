@@ -14,7 +14,7 @@ from typing import List
 import torch
 
 from mm_grpo.families.flux.chunks import build_model_chunks
-from mm_grpo.models.flux import lora
+from mm_grpo.families.flux.transformer import lora
 
 
 class PolicyEMA:

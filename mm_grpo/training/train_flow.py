@@ -19,18 +19,18 @@ from typing import Dict, List, Optional
 import torch
 from megatron.core import parallel_state
 
+from mm_grpo import configs
 from mm_grpo.checkpoint.resume import ResumeRefused
 from mm_grpo.data.image_captions import ImageCaptionDataset
 from mm_grpo.families.flux import parts as flux_parts
 from mm_grpo.families.flux.chunks import conditioning, forward_backward
 from mm_grpo.families.flux.denoiser import FluxDenoiser, FluxGuidance
+from mm_grpo.families.flux.transformer.latents import LATENT_FACTOR, VAE_SCALE_FACTOR, pack_latents, token_grid
 from mm_grpo.families.flux.vae import encode_latents
 from mm_grpo.flow import FlowMatchingSettings, flow_matching_loss, noisy_latents, sample_sigmas
-from mm_grpo.models.flux.latents import LATENT_FACTOR, VAE_SCALE_FACTOR, pack_latents, token_grid
 from mm_grpo.parallel import initialize_parallel
 from mm_grpo.seeding import DEFAULT_SEED, Stream, seeded_generator
 from mm_grpo.settings import from_args, setting
-from mm_grpo import configs
 from mm_grpo.training import arguments, components
 from mm_grpo.training.checkpointing import check_resume
 from mm_grpo.training.entry import run_entry, train_and_report

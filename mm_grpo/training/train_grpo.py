@@ -20,9 +20,9 @@ from mm_grpo.checkpoint.paths import EMA_KEY
 from mm_grpo.checkpoint.resume import ResumeRefused
 from mm_grpo.families.flux.chunks import build_model_chunks, forward_backward, load_pretrained
 from mm_grpo.families.flux.denoiser import FluxGuidance
+from mm_grpo.families.flux.transformer import lora
 from mm_grpo.grpo.hyperparameters import GRPOSettings
 from mm_grpo.grpo.schedule import GRPOSchedule
-from mm_grpo.models.flux import lora
 from mm_grpo.parallel import initialize_parallel
 from mm_grpo.settings import from_args
 from mm_grpo.training import components, evaluation

@@ -12,14 +12,14 @@ import os
 from typing import List, Optional
 
 from mm_grpo import get_platform
-from mm_grpo.checkpoint.metadata import CheckpointMeta
+from mm_grpo import configs
 from mm_grpo.checkpoint.paths import RELEASE, is_megatron_checkpoint, iteration_dir
+from mm_grpo.families.flux.checkpoint.metadata import CheckpointMeta
 from mm_grpo.families.flux.chunks import build_model_chunks, load_pretrained, resolve_pp_layers
 from mm_grpo.families.flux.predictor_block import flux_config_from_block
-from mm_grpo.models.flux import lora
-from mm_grpo.models.flux.config import FluxConfig
+from mm_grpo.families.flux.transformer import lora
+from mm_grpo.families.flux.transformer.config import FluxConfig
 from mm_grpo.parallel import ParallelConfig
-from mm_grpo import configs
 from mm_grpo.training import arguments, components, run_guard
 from mm_grpo.training.loop import TrainingRun
 from mm_grpo.training.optim import build_optimizer, build_scheduler, unwrap, wrap_ddp
@@ -40,7 +40,7 @@ def run_configs(args) -> RunConfigs:
     model = components.resolve_paths(args.mm_model_config, folder(args.mm_model))
     data = components.resolve_paths(args.mm_data_config, folder(args.mm_data))
     if args.bf16 and get_platform().name == "cpu" and args.tensor_model_parallel_size > 1:
-        # On one TP rank the linears compute their GEMMs themselves (models/flux/layers.py).
+        # On one TP rank the linears compute their GEMMs themselves (families/flux/transformer/layers.py).
         raise ValueError("--bf16 with --tensor-model-parallel-size > 1 needs an accelerator: megatron-core's "
                          "tensor-parallel linears restore CUDA autocast in their backward, so bf16 autocast fails "
                          "on CPU (train in fp32 there, or with TP 1)")
@@ -84,7 +84,7 @@ class Trainable:
     pp_layers: List[List[int]]
     initial: Optional[str]  # the starting weights (None when resuming without from_pretrained)
     resume: bool  # --load is a training checkpoint: call `load_checkpoint` after building
-    lora: Optional[dict] = None  # a LoRA run's checkpoint entry (mm_grpo/checkpoint/adapters.py)
+    lora: Optional[dict] = None  # a LoRA run's checkpoint entry (mm_grpo/families/flux/checkpoint/adapters.py)
 
     @property
     def modules(self):
@@ -109,7 +109,7 @@ def build_trainable(args, flux_config: FluxConfig, predictor: dict, parallel: Pa
     elif not resume:  # a resumed run takes its weights from the training checkpoint
         load_pretrained(chunks, initial)
     else:
-        from mm_grpo.checkpoint.adapters import lora_entry
+        from mm_grpo.families.flux.checkpoint.adapters import lora_entry
         if lora_entry(args.load) is not None:
             raise ValueError(f"--load {args.load} is a LoRA checkpoint (adapters only): resume it with its "
                              "--lora-target-modules / --lora-r / --lora-alpha")
@@ -141,8 +141,8 @@ def attach_lora(chunks, config: lora.LoRAConfig, seed: int, bf16: bool, ranks: O
 
 def add_lora(chunks, config: lora.LoRAConfig, args, initial: Optional[str], resume: bool) -> dict:
     """The base weights (a resumed run's: those its checkpoint recorded), frozen, and adapters
-    (from --lora-load, or new); returns the checkpoint entry (mm_grpo/checkpoint/adapters.py)."""
-    from mm_grpo.checkpoint.adapters import checkpoint_base, lora_entry
+    (from --lora-load, or new); returns the checkpoint entry (mm_grpo/families/flux/checkpoint/adapters.py)."""
+    from mm_grpo.families.flux.checkpoint.adapters import checkpoint_base, lora_entry
     ranks = {}
     if resume:
         saved = lora_entry(args.load)
@@ -156,7 +156,7 @@ def add_lora(chunks, config: lora.LoRAConfig, args, initial: Optional[str], resu
             raise ValueError(f"the base weights of {args.load} are gone: give predictor.from_pretrained in --mm-model")
     loaded = None
     if args.lora_load and not resume:  # read (and checked) before the base weights
-        from mm_grpo.models.flux.lora_hf import read_diffusers_lora
+        from mm_grpo.families.flux.transformer.lora_hf import read_diffusers_lora
         loaded = read_diffusers_lora(args.lora_load, chunks[0].flux_config, config)
         ranks = {name: a.shape[0] for name, (a, _) in loaded.items() if a.shape[0] != config.r}
     load_pretrained(chunks, initial)

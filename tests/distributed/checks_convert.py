@@ -8,8 +8,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from converters.convert_cli import main as mm_convert
-from mm_grpo.checkpoint import load_megatron_checkpoint
-from mm_grpo.models.flux import FluxConfig, FluxTransformer
+from mm_grpo.families.flux.checkpoint import load_megatron_checkpoint
+from mm_grpo.families.flux.transformer import FluxConfig, FluxTransformer
 from mm_grpo.parallel import ParallelConfig, initialize_parallel
 from tests.distributed.worker import check
 from tests.utils import make_inputs, random_reference, reference_output, rel_err
@@ -66,7 +66,8 @@ def _megatron_saved(parallel, pp_layers):
     """This layout's chunks, saved as Megatron saves them (tests/megatron_save.py), read back on
     rank 0 without mm-grpo metadata: the inferred layout, and mm_to_hf (with --cfg.hf_dir, which
     gives axes_dims_rope) against the diffusers weights."""
-    from mm_grpo.checkpoint import CheckpointMeta, iteration_dir
+    from mm_grpo.checkpoint import iteration_dir
+    from mm_grpo.families.flux.checkpoint import CheckpointMeta
     from mm_grpo.families.flux.chunks import build_model_chunks, load_hf_weights_into_chunks
     from tests.megatron_save import megatron_save
     ref = random_reference(CONFIG, seed=13)

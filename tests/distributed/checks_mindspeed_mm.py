@@ -18,7 +18,7 @@ from megatron.core import parallel_state
 from safetensors.torch import save_file
 
 from mm_grpo.families.flux.chunks import forward_backward
-from mm_grpo.models.flux import FluxConfig
+from mm_grpo.families.flux.transformer import FluxConfig
 from mm_grpo.parallel import ParallelConfig, initialize_parallel
 from mm_grpo.parallel.state import STAT_DTYPE
 from tests.distributed.worker import check
@@ -134,16 +134,16 @@ def _our_flow_loss(ref, drawn, adapters=None):
     scheduler's timestep weight (tests/test_mindspeed_mm_sora.py shows the single-process case).
     `adapters`: (LoRAConfig, whole adapters) of mm-grpo's LoRA on the model."""
     from mm_grpo.flow.matching import flow_matching_loss
-    from mm_grpo.models.flux import FluxTransformer
-    from mm_grpo.models.flux.hf_weights import load_hf_weights
-    from mm_grpo.models.flux.latents import pack_latents, prepare_latent_image_ids
+    from mm_grpo.families.flux.transformer import FluxTransformer
+    from mm_grpo.families.flux.transformer.hf_weights import load_hf_weights
+    from mm_grpo.families.flux.transformer.latents import pack_latents, prepare_latent_image_ids
     from tests.sora_helpers import feature_batch
     batch = feature_batch(CONFIG)
     noised, noise, timestep = drawn
     initialize_parallel(ParallelConfig())
     ours = load_hf_weights(FluxTransformer(CONFIG), ref.state_dict())
     if adapters is not None:
-        from mm_grpo.models.flux import lora
+        from mm_grpo.families.flux.transformer import lora
         lora.add_adapters(ours, adapters[0], seed=0)
         lora.copy_full_adapters(ours, adapters[1], adapters[0])
     t5, pooled = batch["prompt_ids"]
@@ -185,8 +185,8 @@ def pretrain_sora_lora_tp2_matches_mm_grpo_lora():
     layout rules give the loss and the whole adapter gradients of mm-grpo's single-process LoRA.
     So peft shards adapters as those rules do (what lora_mm_to_hf reads them by)."""
     from megatron.training import training
-    from mm_grpo.models.flux import lora
-    from mm_grpo.models.flux import layout
+    from mm_grpo.families.flux.transformer import lora
+    from mm_grpo.families.flux.transformer import layout
     from tests.sora_helpers import (feature_batch, peft_adapters, pretrain_sora, record_q_sample, set_megatron_args,
                                     write_configs)
     config = lora.LoRAConfig(r=4, alpha=8.0)
@@ -274,7 +274,7 @@ def _world_sum(value):
 def _stage_grad_err(stage, grads, ours):
     """Worst relative error of a pipeline stage's gradients against the single-process model's,
     matched through their diffusers names (stage blocks are numbered locally)."""
-    from mm_grpo.models.flux import layout
+    from mm_grpo.families.flux.transformer import layout
     ref_rules = {r.hf: r.megatron for r in layout.stage_rules(ours.flux_config)}
     ref_params = dict(ours.named_parameters())
     rules = layout.stage_rules(stage.flux_config, stage.block_range, stage.pre_process, stage.post_process)

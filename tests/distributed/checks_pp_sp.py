@@ -9,11 +9,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-from mm_grpo.models.flux import FluxConfig, FluxTransformer, layout
-from mm_grpo.models.flux.hf_weights import load_hf_weights
-from mm_grpo.parallel import ParallelConfig, initialize_parallel
 from mm_grpo.families.flux.chunks import (build_model_chunks, forward_backward, load_hf_weights_into_chunks,
                                        make_velocity_fn)
+from mm_grpo.families.flux.transformer import FluxConfig, FluxTransformer, layout
+from mm_grpo.families.flux.transformer.hf_weights import load_hf_weights
+from mm_grpo.parallel import ParallelConfig, initialize_parallel
 from mm_grpo.parallel.state import STAT_DTYPE
 from tests.distributed.worker import check
 from tests.utils import gather_tp, make_inputs, random_reference, reference_output, rel_err

@@ -1,8 +1,8 @@
 """Tensor-parallel checks: TP = 2 and 4 against TP = 1 and diffusers (fp32)."""
 import torch
 
-from mm_grpo.models.flux import FluxConfig, FluxTransformer, lora
-from mm_grpo.models.flux.hf_weights import load_hf_weights
+from mm_grpo.families.flux.transformer import FluxConfig, FluxTransformer, lora
+from mm_grpo.families.flux.transformer.hf_weights import load_hf_weights
 from mm_grpo.parallel import ParallelConfig, initialize_parallel
 from tests.distributed.worker import check
 from tests.utils import (gather_adapters, gather_tp, make_inputs, random_adapters, random_reference, reference_output,

@@ -15,12 +15,12 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_attr_wrapped_model
 
-from mm_grpo.checkpoint.loader import load_megatron_checkpoint
 from mm_grpo.checkpoint.paths import is_megatron_checkpoint
-from mm_grpo.models.flux.config import FluxConfig
-from mm_grpo.models.flux.hf_weights import check_hf_weights, load_hf_weights, open_diffusers_weights
-from mm_grpo.models.flux.latents import prepare_latent_image_ids
-from mm_grpo.models.flux.model import FluxTransformer, transformer_config
+from mm_grpo.families.flux.checkpoint.loader import load_megatron_checkpoint
+from mm_grpo.families.flux.transformer.config import FluxConfig
+from mm_grpo.families.flux.transformer.hf_weights import check_hf_weights, load_hf_weights, open_diffusers_weights
+from mm_grpo.families.flux.transformer.latents import prepare_latent_image_ids
+from mm_grpo.families.flux.transformer.model import FluxTransformer, transformer_config
 from mm_grpo.parallel.pipeline_layout import PPLayers, normalize_pp_layers, stage_specs
 from mm_grpo.parallel.state import is_last_stage, object_from_last_stage, tensor_from_last_stage
 from mm_grpo.parallel.ulysses import SequenceShard
@@ -180,7 +180,7 @@ PER_SAMPLE_CONDITIONING = ("encoder_hidden_states", "pooled_projections", "guida
 def conditioning(text, grid, guidance: float, device) -> dict:
     """The forward kwargs that depend on the prompts only, one row per prompt: `text` is a
     conditioner's (T5 embeds, pooled CLIP, txt_ids), `grid` the packed latent's token grid
-    (`models/flux/latents.py` `token_grid`), `guidance` the guidance embedding's value."""
+    (`families/flux/transformer/latents.py` `token_grid`), `guidance` the guidance embedding's value."""
     embeds, pooled, txt_ids = text
     return dict(encoder_hidden_states=embeds.to(device), pooled_projections=pooled.to(device),
                 txt_ids=txt_ids.to(device),

@@ -6,9 +6,9 @@ from typing import Dict, Sequence, Tuple
 from megatron.core.utils import get_attr_wrapped_model
 
 from mm_grpo.families.flux.chunks import FORWARD_KEYS, PER_SAMPLE_CONDITIONING, conditioning, make_velocity_fn
+from mm_grpo.families.flux.transformer.config import FLUX_DEV_GUIDANCE
+from mm_grpo.families.flux.transformer.latents import token_grid
 from mm_grpo.grpo.denoiser import Denoiser
-from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
-from mm_grpo.models.flux.latents import token_grid
 from mm_grpo.settings import setting
 
 

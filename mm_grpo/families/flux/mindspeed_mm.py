@@ -16,11 +16,11 @@ from megatron.core import parallel_state
 from torch.nn.modules.module import _IncompatibleKeys
 
 from mm_grpo.families.flux.predictor_block import flux_config_from_block
-from mm_grpo.models.flux import layout
-from mm_grpo.models.flux.config import FLUX_DEV_GUIDANCE
-from mm_grpo.models.flux.hf_weights import copy_hf_weights
-from mm_grpo.models.flux.latents import VAE_SCALE_FACTOR, pack_latents, prepare_latent_image_ids, unpack_latents
-from mm_grpo.models.flux.model import FluxTransformer
+from mm_grpo.families.flux.transformer import layout
+from mm_grpo.families.flux.transformer.config import FLUX_DEV_GUIDANCE
+from mm_grpo.families.flux.transformer.hf_weights import copy_hf_weights
+from mm_grpo.families.flux.transformer.latents import VAE_SCALE_FACTOR, pack_latents, prepare_latent_image_ids, unpack_latents
+from mm_grpo.families.flux.transformer.model import FluxTransformer
 from mm_grpo.parallel.grad_scale import scale_grad
 
 # MindSpeed-MM's flow-matching schedulers give timesteps on diffusers' 0..1000 scale (sigma x

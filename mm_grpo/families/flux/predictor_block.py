@@ -17,10 +17,10 @@ they must agree. MindSpeed-MM's scripts need MindSpeed-MM's names (`mindspeed_mm
 """
 import os
 
-from mm_grpo.checkpoint.metadata import CheckpointMeta
 from mm_grpo.checkpoint.paths import is_megatron_checkpoint, iteration_dir
-from mm_grpo.models.flux.config import DIFFUSERS_FIELDS, FluxConfig
-from mm_grpo.models.flux.hf_weights import transformer_dir
+from mm_grpo.families.flux.checkpoint.metadata import CheckpointMeta
+from mm_grpo.families.flux.transformer.config import DIFFUSERS_FIELDS, FluxConfig
+from mm_grpo.families.flux.transformer.hf_weights import transformer_dir
 from mm_grpo.settings import check_keys
 
 _RUNTIME = ("recompute_blocks", "compile_blocks", "bf16")  # options of a run, not of the weights

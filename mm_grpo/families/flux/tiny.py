@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from mm_grpo.families.flux.text import transformers_5
+from mm_grpo.families.flux.transformer.config import PRESETS
 from mm_grpo.files.atomic import atomic_dir
-from mm_grpo.models.flux.config import PRESETS
 
 # Captions the tiny tokenizers are trained on; prompts outside this vocabulary
 # still tokenize (rare characters map to <unk>).

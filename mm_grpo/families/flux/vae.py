@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-from mm_grpo.models.flux.latents import unpack_latents
+from mm_grpo.families.flux.transformer.latents import unpack_latents
 
 
 def load_vae(pipeline_dir, device="cpu", dtype=torch.float32):

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from mm_grpo.families.wan.encoders import (WAN_VAE_TEMPORAL, WANDIT_MICRO_BATCH_REASON, WANDIT_TP_REASON,
                                            video_latent_shape, video_token_grid)
 from mm_grpo.plan import formulas as f
-from mm_grpo.plan import frozen_parts
+from mm_grpo.plan.frozen_parts import Components, reward_params
 from mm_grpo.settings import setting
 
 TP_REASON = f"Wan2.1 runs with TP 1: {WANDIT_TP_REASON}"
@@ -386,10 +386,10 @@ def rollout_forward_working_bytes(config: WanConfig, job: VideoJob, layout: f.La
 
 def vae_decode_bytes(config: WanConfig, job: VideoJob):
     """One video decoded at a time (Wan's VAE goes one latent frame at a time with its convolution
-    cache): the measured live set per output pixel plus the decoded video (frozen_parts.py)."""
+    cache): the measured live set per output pixel plus the decoded video (`WAN_VAE_DECODE_VALUES_PER_PIXEL`)."""
     pixels = job.height * job.width
-    return (frozen_parts.WAN_VAE_DECODE_VALUES_PER_PIXEL * pixels +
-            frozen_parts.WAN_VAE_DECODE_VALUES_PER_PIXEL_FRAME * pixels * job.frames) * BF16
+    return (WAN_VAE_DECODE_VALUES_PER_PIXEL * pixels +
+            WAN_VAE_DECODE_VALUES_PER_PIXEL_FRAME * pixels * job.frames) * BF16
 
 
 def stage_memory(config: WanConfig, comps, job: VideoJob, layout: f.Layout, split, stage: int) -> f.RankMemory:
@@ -448,13 +448,13 @@ def attention_fraction(config: WanConfig, job: VideoJob) -> float:
 
 def vae_decode_flops(job: VideoJob) -> float:
     """Wan's VAE decode of one video: convolutions per output pixel (the first frame, then every
-    later frame: measured constants, frozen_parts.py) and the middle attention of every latent frame
+    later frame: measured constants above) and the middle attention of every latent frame
     (one head over its h x w latent pixels at 384 channels: 4 (hw)^2 x 384)."""
     t, h, w = latent_grid(job.frames, job.height, job.width)
     pixels = job.height * job.width
-    conv = pixels * (frozen_parts.WAN_VAE_DECODE_FLOPS_FIRST_FRAME +
-                     (job.frames - 1) * frozen_parts.WAN_VAE_DECODE_FLOPS_PER_FRAME)
-    return conv + t * 4 * (h * w) ** 2 * frozen_parts.WAN_VAE_MIDDLE_CHANNELS
+    conv = pixels * (WAN_VAE_DECODE_FLOPS_FIRST_FRAME +
+                     (job.frames - 1) * WAN_VAE_DECODE_FLOPS_PER_FRAME)
+    return conv + t * 4 * (h * w) ** 2 * WAN_VAE_MIDDLE_CHANNELS
 
 
 def iteration_time(config: WanConfig, comps, job: VideoJob, layout: f.Layout, device, mfu: float = 0.4,
@@ -484,16 +484,16 @@ def iteration_time(config: WanConfig, comps, job: VideoJob, layout: f.Layout, de
     sp_comm = pp_comm = dp_comm = 0.0
     if layout.sp > 1:  # Ulysses: q, k, v to heads and the output back, all-to-all of (cp - 1) / cp, per block
         volume = 4 * tokens / layout.sp * D * BF16 * (layout.sp - 1) / layout.sp
-        sp_comm = passes * max(split) * volume / f._bw(device, layout.sp)
+        sp_comm = passes * max(split) * volume / f.bandwidth(device, layout.sp)
     if layout.pp > 1:  # per stage boundary and pass: the [S / cp, D] activation, the prompt and its embedding
         volume = (tokens / layout.sp * D + job.streams * T * (D + config.text_dim)) * BF16
-        pp_comm = passes * volume / f._bw(device, layout.world)
+        pp_comm = passes * volume / f.bandwidth(device, layout.world)
     dp_group = layout.dp * layout.sp
     if dp_group > 1:  # fp32 gradients: reduce-scatter + parameter all-gather (or all-reduce)
         base, lora = max((stage_params(config, split, s, job.lora_rank) for s in range(layout.pp)),
                          key=lambda x: x[0])
         volume = 4 * f.trainable_params(base, lora, job) * 2 * (dp_group - 1) / dp_group
-        dp_comm = volume / f._bw(device, layout.sp * layout.dp)
+        dp_comm = volume / f.bandwidth(device, layout.sp * layout.dp)
     return f.IterationTime(dict(rollout=rollout, train=train, decode_reward=decode, text_encode=text,
                                 ulysses_all_to_all=sp_comm, pp_p2p=pp_comm, dp_grad_sync=dp_comm))
 
@@ -523,3 +523,31 @@ def plan_layouts(config: WanConfig, comps, job: VideoJob, devices: int, device, 
     fast = [r for r in rows if r["fits"] and r["seconds_per_video"] <= rows[0]["seconds_per_video"] * NEAR_FASTEST]
     fast.sort(key=lambda r: r["peak_bytes_per_rank"])
     return fast + rows[len(fast):]
+
+
+# --- frozen parts: the VAE and the text encoder (mm_grpo/plan/frozen_parts.py: the rewards) ----------
+# Wan2.1 (text-to-video): its VAE and its text encoder, counts of diffusers' AutoencoderKLWan at its
+# default (= Wan2.1's) config and of transformers' UMT5EncoderModel at Wan2.1's text_encoder config
+# (umT5-XXL: d_model 4096, d_ff 10240, 24 layers, 64 heads, vocabulary 256384), both built on the meta device.
+WAN_VAE_PARAMS = 126_892_531
+UMT5_XXL_ENCODER_PARAMS = 5_680_910_336
+# Wan's VAE decodes a video one latent frame (4 output frames, the first alone) at a time, with a
+# cache of the last frames of every causal convolution. Largest live set of a no-grad decode, in
+# values per output pixel (of one frame), plus 3 values per output pixel per frame (the decoded
+# video): 4900, measured with the live-tensor meter on diffusers' AutoencoderKLWan (random weights,
+# fp32, CPU) at 64 and 128 px for 5 to 25 frames (tests/test_plan_wan.py measures it again).
+WAN_VAE_DECODE_VALUES_PER_PIXEL = 4900.0
+WAN_VAE_DECODE_VALUES_PER_PIXEL_FRAME = 3.0
+# Convolution FLOPs of that decode per output pixel: the first frame 10.75M, every later frame
+# 8.445M (counted by torch's FlopCounterMode on the same model; the decoder's middle attention, one
+# head over the h x w latent of each latent frame at 384 channels, is added by hand: 4 (hw)^2 x 384).
+WAN_VAE_DECODE_FLOPS_FIRST_FRAME = 10.748e6
+WAN_VAE_DECODE_FLOPS_PER_FRAME = 8.445e6
+WAN_VAE_MIDDLE_CHANNELS = 384
+
+
+def components(reward: str = "hps", text_cache: bool = True) -> Components:
+    """Wan2.1 text-to-video: its VAE, umT5-XXL unless the embeddings are cached, and the reward
+    (an image reward scores a frame of the video, as DanceGRPO's Wan recipe scores the first)."""
+    return Components(WAN_VAE_PARAMS, WAN_VAE_DECODE_VALUES_PER_PIXEL, 0 if text_cache else UMT5_XXL_ENCODER_PARAMS,
+                      reward_params(reward))

@@ -13,7 +13,7 @@ video, then the others by memory, each with why it does not fit). Several device
 import sys
 
 from mm_grpo.families.wan import plan as wan
-from mm_grpo.plan import flags, frozen_parts
+from mm_grpo.plan import flags
 from mm_grpo.plan import formulas as f
 from mm_grpo.plan.devices import GB
 
@@ -75,7 +75,7 @@ def candidate_layouts(config, job, devices, args):
 
 def plan(args):
     """(config, jobs, device, [(devices, job, rows)]) for every device count and LoRA rank."""
-    config, jobs, device, comps = flags.setup(args, wan.model_of, jobs_of, frozen_parts.wan_components)
+    config, jobs, device, comps = flags.setup(args, wan.model_of, jobs_of, wan.components)
     plans = []
     for n in args.devices:
         for job in jobs:

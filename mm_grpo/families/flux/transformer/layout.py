@@ -17,7 +17,7 @@ from typing import Iterator, Sequence, Tuple
 
 import torch
 
-from mm_grpo.models.flux.config import FluxConfig
+from mm_grpo.families.flux.transformer.config import FluxConfig
 
 
 @dataclasses.dataclass(frozen=True)

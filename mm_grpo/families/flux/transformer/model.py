@@ -22,10 +22,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mm_grpo import kernels
-from mm_grpo.models.flux.blocks import DoubleStreamBlock, SingleStreamBlock
-from mm_grpo.models.flux.config import FluxConfig
-from mm_grpo.models.flux.embeddings import TimeTextEmbedding, rope_tables
-from mm_grpo.models.flux.layers import Modulation, dense, layer_norm, modulate
+from mm_grpo.families.flux.transformer.blocks import DoubleStreamBlock, SingleStreamBlock
+from mm_grpo.families.flux.transformer.config import FluxConfig
+from mm_grpo.families.flux.transformer.embeddings import TimeTextEmbedding, rope_tables
+from mm_grpo.families.flux.transformer.layers import Modulation, dense, layer_norm, modulate
 from mm_grpo.parallel.ulysses import ULYSSES_CP_ALGO, SequenceShard
 from mm_grpo.platform.adaptor import torch_compile_replaced
 

@@ -4,12 +4,13 @@ from typing import Optional
 
 import torch
 
-from mm_grpo.checkpoint.metadata import CHUNK_KEY, EXTRA_STATE, read_meta
+from mm_grpo.checkpoint.metadata import CHUNK_KEY, EXTRA_STATE
 from mm_grpo.checkpoint.paths import EMA_KEY, META_KEY, SHARD_FILE, iteration_dir, shard_folders
 from mm_grpo.checkpoint.shard_io import ShardReader
-from mm_grpo.models.flux import layout
-from mm_grpo.models.flux.config import FluxConfig
-from mm_grpo.models.flux.hf_weights import expected_hf_shapes
+from mm_grpo.families.flux.checkpoint.metadata import read_meta
+from mm_grpo.families.flux.transformer import layout
+from mm_grpo.families.flux.transformer.config import FluxConfig
+from mm_grpo.families.flux.transformer.hf_weights import expected_hf_shapes
 
 
 def expected_full_shapes(config) -> dict:

@@ -2,9 +2,9 @@
 import torch
 from megatron.core import parallel_state
 
-from mm_grpo.checkpoint.metadata import CheckpointMeta
-from mm_grpo.checkpoint.reader import MegatronCheckpoint
-from mm_grpo.models.flux import layout
+from mm_grpo.families.flux.checkpoint.metadata import CheckpointMeta
+from mm_grpo.families.flux.checkpoint.reader import MegatronCheckpoint
+from mm_grpo.families.flux.transformer import layout
 
 
 def _unwrap(module):

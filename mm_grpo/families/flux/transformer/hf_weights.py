@@ -11,9 +11,9 @@ import torch
 from megatron.core import parallel_state
 from safetensors import safe_open
 
+from mm_grpo.families.flux.transformer import layout
+from mm_grpo.families.flux.transformer.config import FluxConfig
 from mm_grpo.files.jsonfile import load_json
-from mm_grpo.models.flux import layout
-from mm_grpo.models.flux.config import FluxConfig
 
 _INDEX = "diffusion_pytorch_model.safetensors.index.json"
 # dtype names in safetensors headers

@@ -15,10 +15,10 @@ from typing import Dict, Tuple
 import torch
 from safetensors import safe_open
 
-from mm_grpo.models.flux import layout
-from mm_grpo.models.flux import lora as flux_lora
-from mm_grpo.models.flux.config import FluxConfig
-from mm_grpo.models.flux.hf_weights import expected_hf_shapes
+from mm_grpo.families.flux.transformer import layout
+from mm_grpo.families.flux.transformer import lora as flux_lora
+from mm_grpo.families.flux.transformer.config import FluxConfig
+from mm_grpo.families.flux.transformer.hf_weights import expected_hf_shapes
 
 LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
 PREFIX = "transformer."

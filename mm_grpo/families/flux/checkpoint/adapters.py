@@ -4,7 +4,7 @@ A LoRA run's shards hold, under `model` (`model0`...), only the `*.lora_A.weight
 `*.lora_B.weight` tensors of their TP x PP position, plus `lora` = {"config": LoRAConfig JSON,
 "ranks": {base weight's diffusers name: rank} where it is not config.r, "base": the base
 weights the run trained on}. Adapters reshard over TP and PP like weights (their layout rules:
-mm_grpo/models/flux/lora.py).
+mm_grpo/families/flux/transformer/lora.py).
 """
 import os
 from typing import Dict, Optional
@@ -12,9 +12,9 @@ from typing import Dict, Optional
 import torch
 
 from mm_grpo.checkpoint.paths import iteration_dir
-from mm_grpo.checkpoint.reader import MegatronCheckpoint
-from mm_grpo.models.flux import layout
-from mm_grpo.models.flux import lora as flux_lora
+from mm_grpo.families.flux.checkpoint.reader import MegatronCheckpoint
+from mm_grpo.families.flux.transformer import layout
+from mm_grpo.families.flux.transformer import lora as flux_lora
 
 LORA_KEY = "lora"
 

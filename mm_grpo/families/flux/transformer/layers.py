@@ -66,7 +66,7 @@ def _megatron(forward, layer, x):
 
 def _with_adapter(layer, x, out):
     """`out` plus the layer's LoRA adapter's output on its input `x`, when it has one that is on
-    (mm_grpo/models/flux/lora.py)."""
+    (mm_grpo/families/flux/transformer/lora.py)."""
     adapter = layer.__dict__.get("adapter")
     if adapter is None or not adapter.enabled:
         return out

@@ -31,8 +31,8 @@ from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from torch import nn
 
-from mm_grpo.models.flux import layout
-from mm_grpo.models.flux.config import FluxConfig
+from mm_grpo.families.flux.transformer import layout
+from mm_grpo.families.flux.transformer.config import FluxConfig
 from mm_grpo.seeding import Stream, seeded_generator
 
 # --lora-target-modules name -> the diffusers modules it adapts (double blocks: image / text stream).
