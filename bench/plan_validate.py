@@ -278,7 +278,7 @@ def probe_vae():
 # at 512 px, jpeg reward, LoRA 64 on the recommended targets unless full), all on the fp32-residual
 # layout (bf16 autocast over fp32 parameters): (name, profile, measured matmul TFLOP/s, block
 # overrides of flux-dev, Job fields, --compile-blocks, measured (rollout, train, decode + reward) s,
-# source). The first two are the time model's calibration (mm_grpo/plan/calibration.py).
+# source). The first two are the time model's calibration (mm_grpo/families/flux/calibration.py).
 TIME_RUNS = [
     ("H200 eager (calibration)", "h200", 785.6, {}, dict(height=512, micro_batch_size=12, lora_rank=64), False,
      (9.590, 18.963, 0.492), "docs/measurements/h200_2026-11-28/grpo.json"),

@@ -9,8 +9,8 @@ import pytest
 
 from bench.plan_validate import LiveTensorMeter
 from mm_grpo.families.flux import plan as f
+from mm_grpo.families.flux import calibration
 from mm_grpo.families.flux.transformer import FluxConfig
-from mm_grpo.plan import calibration
 from mm_grpo.plan.formulas import Layout
 from mm_grpo.tools.plan import main
 from tests.fixtures import parallel_1proc  # noqa: F401
@@ -267,13 +267,13 @@ def test_bf16_layout_halves_the_activations():
 
 
 # --- time -----------------------------------------------------------------------------------------
-# One GRPO iteration of the calibration job (mm_grpo/plan/calibration.py: FLUX.1-dev, LoRA 64, 512 px,
+# One GRPO iteration of the calibration job (mm_grpo/families/flux/calibration.py: FLUX.1-dev, LoRA 64, 512 px,
 # G = micro-batch = 12, N = 16, K = 9, recompute, jpeg reward) as measured: card, its matmul rate in
 # TFLOP/s, --compile-blocks, (rollout, train, decode + reward) seconds, iteration seconds.
 # Recalibrating (calibration.py's docstring) replaces the first two; the third, on the fp32-residual
 # layout like them, goes with them.
 MEASURED_ITERATIONS = [
-    # The calibration run (mm_grpo/plan/calibration.py): one H200, the bf16 layout, the whole iteration as
+    # The calibration run (mm_grpo/families/flux/calibration.py): one H200, the bf16 layout, the whole iteration as
     # docs/measurements/h200_2026-11-28/grpo.json and grpo_compiled.json give it.
     ("h200", 785.6, False, tuple(m.seconds for m in calibration.PHASES["eager"].values()), 29.046),
     ("h200", 785.6, True, tuple(m.seconds for m in calibration.PHASES["compiled"].values()), 23.934),
@@ -313,7 +313,7 @@ def test_flop_count_is_bench_flops():
 def test_recalibrating_is_changing_the_measured_figures(monkeypatch):
     """The efficiencies follow calibration.py's figures: halving a measured phase's seconds halves the
     planned phase (less its weight traffic, a hand count); the other phases do not move."""
-    from mm_grpo.plan import calibration, devices
+    from mm_grpo.plan import devices
     config, comps = FluxConfig.preset("flux-dev"), f.components(reward="jpeg_compressibility")
     job = f.Job(**calibration.CALIBRATION_JOB)
     h200 = devices.device("h200", matmul_tflops=calibration.EAGER_TRAIN.matmul_tflops)
@@ -341,7 +341,7 @@ def test_compiled_blocks_are_faster_where_the_runtime_compiles():
     """--compile-blocks takes the compiled calibration on a GPU; on Ascend (MindSpeed's adaptor makes
     torch.compile a no-op) it plans the eager path. A device without a measured matmul rate is taken
     at the calibration card's fraction of its peak."""
-    from mm_grpo.plan import calibration, devices
+    from mm_grpo.plan import devices
     config, comps = FluxConfig.preset("flux-dev"), f.components()
     seconds = {(name, c): f.iteration_time(config, comps, f.Job(height=512, micro_batch_size=12, compile_blocks=c),
                                            Layout(), devices.DEVICES[name]).seconds
@@ -349,7 +349,7 @@ def test_compiled_blocks_are_faster_where_the_runtime_compiles():
     assert seconds["h200", True] < seconds["h200", False]
     assert seconds["atlas-800t-a2", True] == seconds["atlas-800t-a2", False]
     npu = devices.DEVICES["atlas-800t-a2"]
-    assert npu.matmul_rate == pytest.approx(npu.peak_bf16_flops * calibration.MATMUL_FRACTION_OF_PEAK)
+    assert npu.matmul_rate == pytest.approx(npu.peak_bf16_flops * devices.MATMUL_FRACTION_OF_PEAK)
 
 
 def test_mfu_overrides_the_calibration():

@@ -87,6 +87,13 @@ def chunk_keys(tree: dict) -> list:
     return [k for k, v in tree.items() if isinstance(k, str) and CHUNK_KEY.fullmatch(k) and isinstance(v, dict)]
 
 
+def shard_extras(reader: ShardReader) -> dict:
+    """A shard's entries other than the model chunks and mm-grpo's metadata (optimizer, RNG states,
+    iteration...), read."""
+    return {k: reader.load(k) for k in reader.tree
+            if k != META_KEY and not (isinstance(k, str) and CHUNK_KEY.fullmatch(k))}
+
+
 def check_shard_set(folder, found: dict, first: ShardReader):
     """The shard folders `found` are those the layout names, read from the first shard's pickle only
     (no weights, no architecture inferred): its stored metadata, else (written by Megatron or

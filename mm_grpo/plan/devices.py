@@ -20,9 +20,9 @@ per device and per direction, in bytes/s: `intra_node_bw` within a node (NVLink 
 
 `matmul_bf16_flops` is measured, not a datasheet figure: the bf16 matmul rate
 bench/bench_grpo.matmul_throughput reaches (8192^3, median of 3) on that card, the rate the time
-model's efficiencies are relative to (plan/calibration.py). H200: 791 TFLOP/s (issue 48's run, the
+model's efficiencies are relative to (a family's calibration: families/flux/calibration.py). H200: 791 TFLOP/s (issue 48's run, the
 calibration's); H100: 732 TFLOP/s (docs/performance.md, the 512 px FLUX.1-dev run; 747 and 769 in
-two other runs). A profile without one (None) is taken at calibration.MATMUL_FRACTION_OF_PEAK of its
+two other runs). A profile without one (None) is taken at MATMUL_FRACTION_OF_PEAK of its
 peak: the H800 (the H100's chip, not measured here) and the Atlas 800T A2 (not measured: an
 assumption). `compiles`: whether torch.compile compiles there (on Ascend MindSpeed's adaptor turns
 it into a no-op, so compiled blocks run eager).
@@ -31,6 +31,10 @@ import dataclasses
 from typing import Optional
 
 GB = 10 ** 9
+# For a device profile without a measured matmul rate: this fraction of its datasheet peak, the
+# H200's (791 TFLOP/s of 989, bench/bench_grpo.matmul_throughput on 2026-11-27). An assumption for
+# any other device (Ascend's included).
+MATMUL_FRACTION_OF_PEAK = 791.0 / 989.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +51,8 @@ class Device:
 
     @property
     def matmul_rate(self) -> float:
-        """The bf16 matmul rate the time model scales: measured, else the calibration's fraction of
-        the datasheet peak."""
-        from mm_grpo.plan.calibration import MATMUL_FRACTION_OF_PEAK
+        """The bf16 matmul rate the time model scales: measured, else MATMUL_FRACTION_OF_PEAK of the
+        datasheet peak."""
         return self.matmul_bf16_flops or self.peak_bf16_flops * MATMUL_FRACTION_OF_PEAK
 
 

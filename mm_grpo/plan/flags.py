@@ -34,7 +34,7 @@ def add_job_args(group, job_cls, several: bool = False):
 
 def add_device_args(group, several: bool = False, calibrated: bool = False):
     """--devices, the device profile, --mfu and the TP / PP filters; with `calibrated` (FLUX, whose
-    time model is calibrated on measured phases: formulas.efficiency) --mfu is an override (default
+    time model is calibrated on measured phases: families/flux/plan.py `efficiency`) --mfu is an override (default
     none) and --matmul-tflops gives the card's measured matmul rate."""
     group.add_argument("--devices", type=int, nargs=_nargs(several), required=True,
                        help="number of devices" + ("; several: a row each" if several else ""))
@@ -45,7 +45,7 @@ def add_device_args(group, several: bool = False, calibrated: bool = False):
     if calibrated:
         group.add_argument("--mfu", type=float, default=None,
                            help="every phase at this fraction of the datasheet peak instead of the calibrated "
-                                "per-phase efficiencies (mm_grpo/plan/calibration.py, docs/scaling.md)")
+                                "per-phase efficiencies (mm_grpo/families/flux/calibration.py, docs/scaling.md)")
         group.add_argument("--matmul-tflops", type=float, default=None,
                            help="the card's measured bf16 matmul rate, TFLOP/s (default: the profile's; "
                                 "bench/bench_grpo.matmul_throughput measures it)")

@@ -12,6 +12,11 @@ all shards go to a temporary folder that is renamed once every rank is done.
 Resuming: `check_resume` picks the iteration (--ckpt-step, else the tracker's) and checks that it
 is intact before anything heavy (mm_grpo/checkpoint/resume.py); a file found damaged while loading
 (its checksum) stops every rank with the same one line, naming the newest intact iteration.
+
+The model family's part is handed in as `weights` (FLUX's: mm_grpo/families/flux/checkpoint/
+weights.py): `weights.state_dict(chunk)`, what a chunk saves, and `weights.load(chunks, folder)`,
+loading this rank's chunks from any layout and returning the checkpoint's metadata (its `tp_size`,
+`pp_size`, `vpp_size`, `shard_name`); `meta` is the family's metadata the writer stores.
 """
 import os
 import random
@@ -21,15 +26,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from mm_grpo.checkpoint import checksum
-from mm_grpo.checkpoint.paths import RELEASE, iteration_dir, model_key
+from mm_grpo.checkpoint.metadata import shard_extras
+from mm_grpo.checkpoint.paths import RELEASE, SHARD_FILE, iteration_dir, model_key, shard_folders
 from mm_grpo.checkpoint.resume import check_train_iters, resume_point, unreadable
-from mm_grpo.checkpoint.shard_io import load_file, save_file
+from mm_grpo.checkpoint.shard_io import ShardReader, load_file, save_file
 from mm_grpo.checkpoint.writer import CheckpointWriter, clear_stale
-from mm_grpo.families.flux.checkpoint.adapters import load_adapter_checkpoint
-from mm_grpo.families.flux.checkpoint.loader import load_megatron_checkpoint
-from mm_grpo.families.flux.checkpoint.metadata import CheckpointMeta
-from mm_grpo.families.flux.checkpoint.reader import MegatronCheckpoint
-from mm_grpo.families.flux.transformer.lora import adapter_state_dict, has_adapters
 from mm_grpo.training.optim import unwrap
 from mm_grpo.training.run_guard import guarded_save
 
@@ -67,21 +68,21 @@ def _writes_shard():
             and parallel_state.get_context_parallel_rank() == 0)
 
 
-def save_checkpoint(root, iteration, model_chunks, optimizer, scheduler, meta: CheckpointMeta, extra: dict):
+def save_checkpoint(root, iteration, model_chunks, optimizer, scheduler, meta, weights, extra: dict):
     """Collective: every rank calls it. `model_chunks` are this rank's (DDP-wrapped) chunks."""
     if dist.get_rank() == 0:
         clear_stale(root, iteration)
     dist.barrier()
     writer = CheckpointWriter(root, meta, iteration)
     with guarded_save(writer.tmp, f"saving iteration {iteration}"):  # a full disk: no partial folder left
-        _write_shards(writer, model_chunks, optimizer, scheduler, extra)
+        _write_shards(writer, model_chunks, optimizer, scheduler, weights, extra)
     dist.barrier()
     with guarded_save(writer.tmp, f"saving iteration {iteration}"):
         if dist.get_rank() == 0:
             writer.commit()
 
 
-def _write_shards(writer, model_chunks, optimizer, scheduler, extra):
+def _write_shards(writer, model_chunks, optimizer, scheduler, weights, extra):
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     shard_dir = os.path.dirname(writer.shard_path(tp_rank, pp_rank))
@@ -89,9 +90,7 @@ def _write_shards(writer, model_chunks, optimizer, scheduler, extra):
         os.makedirs(shard_dir, exist_ok=True)
         save_file(optimizer.optimizer.state_dict(), _distrib_optim_file(shard_dir))
     if _writes_shard():
-        # A LoRA run saves its adapters only (the frozen base is in its `lora` entry's `base`).
-        tree = {model_key(v, len(model_chunks)): adapter_state_dict(c) if has_adapters(c) else c.state_dict()
-                for v, c in enumerate(unwrap(model_chunks))}
+        tree = {model_key(v, len(model_chunks)): weights.state_dict(c) for v, c in enumerate(unwrap(model_chunks))}
         tree.update(optimizer=optimizer.state_dict(), opt_param_scheduler=scheduler.state_dict(),
                     rng_state=_rng_state(), **extra)
         writer.write_shard(tp_rank, pp_rank, tree)
@@ -120,7 +119,7 @@ def _agreed_damage(why):
     return next((w for w in found if w is not None), None)
 
 
-def load_checkpoint(path, model_chunks, optimizer=None, scheduler=None, load_optim=True, load_rng=True):
+def load_checkpoint(path, model_chunks, weights, optimizer=None, scheduler=None, load_optim=True, load_rng=True):
     """Load weights (any TP/PP) and, for an `iter_*` checkpoint of this layout, the training state.
     Collective: a file of the checkpoint found damaged on any rank (its checksum) stops every rank
     with the same ResumeRefused line.
@@ -130,7 +129,7 @@ def load_checkpoint(path, model_chunks, optimizer=None, scheduler=None, load_opt
     folder = iteration_dir(path)
     why, loaded = None, None
     try:
-        loaded = _load(folder, model_chunks, optimizer, scheduler, load_optim, load_rng)
+        loaded = _load(folder, model_chunks, weights, optimizer, scheduler, load_optim, load_rng)
     except checksum.CorruptFile as e:
         why = f"{os.path.relpath(e.path, folder)} {e.reason}"
     why = _agreed_damage(why)
@@ -139,9 +138,8 @@ def load_checkpoint(path, model_chunks, optimizer=None, scheduler=None, load_opt
     return loaded
 
 
-def _load(folder, model_chunks, optimizer, scheduler, load_optim, load_rng):
-    chunks = unwrap(model_chunks)
-    meta = (load_adapter_checkpoint if has_adapters(chunks[0]) else load_megatron_checkpoint)(chunks, folder)
+def _load(folder, model_chunks, weights, optimizer, scheduler, load_optim, load_rng):
+    meta = weights.load(unwrap(model_chunks), folder)
     if os.path.basename(folder) == RELEASE:
         return 0, {}
     same_layout = (meta.tp_size, meta.pp_size, meta.vpp_size) == (
@@ -156,11 +154,11 @@ def _load(folder, model_chunks, optimizer, scheduler, load_optim, load_rng):
              if same_layout else (0, 0))
     load_rng = load_rng and same_layout
     shard = os.path.join(folder, meta.shard_name(*ranks))
-    checkpoint = MegatronCheckpoint(folder)
+    reader = ShardReader(os.path.join(folder, shard_folders(folder)[ranks], SHARD_FILE))
     try:
-        state = checkpoint.extras(*ranks)
+        state = shard_extras(reader)
     finally:
-        checkpoint.close()
+        reader.close()
     if load_optim and optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
         if _distributed(optimizer):

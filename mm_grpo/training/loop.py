@@ -182,13 +182,14 @@ class TrainingRun:
     def save(self, iteration):
         m = self.model
         lora = {"lora": m.lora} if m.lora else {}
-        save_checkpoint(self.args.save, iteration, m.chunks, m.optimizer, m.scheduler, m.meta,
+        save_checkpoint(self.args.save, iteration, m.chunks, m.optimizer, m.scheduler, m.meta, m.weights,
                         {"iteration": iteration, "evaluations": self.evaluations, **lora, **self.checkpoint_extras()})
 
     def resume(self) -> Dict:
         """Weights, optimizer, scheduler, RNG, iteration and evaluations from --load; the other extras."""
         m, args = self.model, self.args
-        self.start_iteration, extra = load_checkpoint(args.load, m.chunks, m.optimizer, m.scheduler,
-                                                      load_optim=not args.no_load_optim, load_rng=not args.no_load_rng)
+        self.start_iteration, extra = load_checkpoint(args.load, m.chunks, m.weights, m.optimizer, m.scheduler,
+                                                      load_optim=not args.no_load_optim,
+                                                      load_rng=not args.no_load_rng)
         self.evaluations = dict(extra.get("evaluations", {}))
         return extra

@@ -9,11 +9,13 @@ checkpoint holds the adapters and names its base.
 """
 import dataclasses
 import os
+from types import ModuleType
 from typing import List, Optional
 
 from mm_grpo import get_platform
 from mm_grpo import configs
 from mm_grpo.checkpoint.paths import RELEASE, is_megatron_checkpoint, iteration_dir
+from mm_grpo.families.flux.checkpoint import weights as flux_weights
 from mm_grpo.families.flux.checkpoint.metadata import CheckpointMeta
 from mm_grpo.families.flux.chunks import build_model_chunks, load_pretrained, resolve_pp_layers
 from mm_grpo.families.flux.predictor_block import flux_config_from_block
@@ -81,6 +83,7 @@ class Trainable:
     optimizer: object
     scheduler: object
     meta: CheckpointMeta
+    weights: ModuleType  # the family's weights in a training checkpoint (training/checkpointing.py)
     pp_layers: List[List[int]]
     initial: Optional[str]  # the starting weights (None when resuming without from_pretrained)
     resume: bool  # --load is a training checkpoint: call `load_checkpoint` after building
@@ -115,7 +118,7 @@ def build_trainable(args, flux_config: FluxConfig, predictor: dict, parallel: Pa
                              "--lora-target-modules / --lora-r / --lora-alpha")
     ddp, optimizer, scheduler = optimize(chunks, args)
     meta = CheckpointMeta(flux_config, tp_size=parallel.tp, pp_layers=pp_layers[0] if len(pp_layers) == 1 else pp_layers)
-    return Trainable(ddp, optimizer, scheduler, meta, pp_layers, initial, resume, entry)
+    return Trainable(ddp, optimizer, scheduler, meta, flux_weights, pp_layers, initial, resume, entry)
 
 
 def optimize(chunks, args):

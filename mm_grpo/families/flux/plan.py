@@ -24,7 +24,7 @@ What the trainer holds (mm_grpo/training/optim.py, trainable.py, grpo/schedule.p
 
 The time model (`iteration_time`): each phase's FLOPs at a per-phase, per-path (eager or compiled
 blocks) fraction of the device's measured bf16 matmul rate, derived from measured full-size
-iterations (mm_grpo/plan/calibration.py, docs/scaling.md), plus communication at the device
+iterations (mm_grpo/families/flux/calibration.py, docs/scaling.md), plus communication at the device
 profile's bandwidths.
 """
 import dataclasses
@@ -555,10 +555,10 @@ def efficiency(path: str, phase: str) -> float:
     """The fraction of the matmul rate a phase reaches on `path` (eager or compiled): the FLOPs the
     calibration job executes in it (`phase_flops`) / ((its measured seconds less its weight traffic
     at the calibration card's HBM bandwidth) x the matmul rate measured with it), from
-    plan/calibration.py. On issue 48's H200 run (the fp32-residual layout): eager rollout 0.373, train
+    calibration.py. On issue 48's H200 run (the fp32-residual layout): eager rollout 0.373, train
     0.357; compiled 0.634, 0.563; decode + reward 0.173 (the VAE's convolutions; the jpeg reward's
     CPU time counts against them)."""
-    from mm_grpo.plan import calibration
+    from mm_grpo.families.flux import calibration
     from mm_grpo.plan.devices import DEVICES
     config = model_of(calibration.CALIBRATION_MODEL)
     job = Job(**calibration.CALIBRATION_JOB)

@@ -9,7 +9,7 @@ FLUX, and how fast.
 Every layout whose TP x SP divides the heads and PP the blocks is listed, ranked: the ones that
 fit by predicted seconds per iteration, then the others by memory, each with why it does not
 fit. Formulas and their sources: mm_grpo/families/flux/plan.py; the time model's calibration:
-mm_grpo/plan/calibration.py; validation: docs/scaling.md.
+mm_grpo/families/flux/calibration.py; validation: docs/scaling.md.
 """
 import sys
 
@@ -102,7 +102,7 @@ def _time_basis(job, device, args) -> str:
     note = " (compiled blocks run eager here)" if job.compile_blocks and path == "eager" else ""
     measured = "measured" if device.matmul_bf16_flops else "assumed"
     return (f"time calibrated on the {path} path{note} at {device.matmul_rate / 1e12:.0f} TFLOP/s bf16 matmul "
-            f"({measured}; mm_grpo/plan/calibration.py)")
+            f"({measured}; mm_grpo/families/flux/calibration.py)")
 
 
 def _seconds(r) -> str:

@@ -114,7 +114,7 @@ def _layout(r) -> str:
 
 
 def print_layouts(config, job, device, rows, args, out=None):
-    """Every layout of one device count and one job, as formulas' FLUX table."""
+    """Every layout of one device count and one job, as FLUX's planner tables them."""
     out = out or sys.stdout
     devices = rows[0]["cp"] * rows[0]["pp"] * rows[0]["dp"]
     print(header(config, job, device, args) + f"; {_tuning(job)}, {devices} devices", file=out)

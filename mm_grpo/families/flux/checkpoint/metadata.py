@@ -120,7 +120,8 @@ def read_meta(folder: str, config: Optional[FluxConfig] = None,
         if (0, 0) not in found:
             raise FileNotFoundError(f"{folder} has no first shard (mp_rank_00 or mp_rank_00_000): incomplete checkpoint")
         stored = shard(0, 0).tree.get(META_KEY)
-        meta = read_stored(shard(0, 0).path, stored, CheckpointMeta.from_json) if stored is not None else _infer(folder, found, shard, config)
+        meta = (read_stored(shard(0, 0).path, stored, CheckpointMeta.from_json) if stored is not None
+                else _infer(folder, found, shard, config))
         check_shards(folder, meta.tp_size, meta.pp_size, meta.pp_layers, found)
         return meta
     finally:

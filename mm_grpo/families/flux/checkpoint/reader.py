@@ -4,8 +4,8 @@ from typing import Optional
 
 import torch
 
-from mm_grpo.checkpoint.metadata import CHUNK_KEY, EXTRA_STATE
-from mm_grpo.checkpoint.paths import EMA_KEY, META_KEY, SHARD_FILE, iteration_dir, shard_folders
+from mm_grpo.checkpoint.metadata import CHUNK_KEY, EXTRA_STATE, shard_extras
+from mm_grpo.checkpoint.paths import EMA_KEY, SHARD_FILE, iteration_dir, shard_folders
 from mm_grpo.checkpoint.shard_io import ShardReader
 from mm_grpo.families.flux.checkpoint.metadata import read_meta
 from mm_grpo.families.flux.transformer import layout
@@ -94,9 +94,7 @@ class MegatronCheckpoint:
     def extras(self, tp_rank: int, pp_rank: int) -> dict:
         """A shard's entries other than the model chunks and mm-grpo's metadata (optimizer,
         rng states, iteration...), read."""
-        shard = self.shard(tp_rank, pp_rank)
-        return {k: shard.load(k) for k in shard.tree
-                if k != META_KEY and not (isinstance(k, str) and CHUNK_KEY.fullmatch(k))}
+        return shard_extras(self.shard(tp_rank, pp_rank))
 
     def check(self):
         """Every shard holds exactly its stage's weights, at the shapes the layout gives."""

@@ -1,10 +1,10 @@
-"""The measured iterations `mm-grpo plan`'s time model is calibrated on (formulas.iteration_time).
+"""The measured iterations `mm-grpo plan`'s time model is calibrated on (families/flux/plan.py `iteration_time`).
 
-The model: a phase's seconds are the FLOPs it executes (formulas.phase_flops: matrix products and
+The model: a phase's seconds are the FLOPs it executes (families/flux/plan.py `phase_flops`: matrix products and
 attention, bench/flops.py's count, the recompute forward included) divided by the device's bf16
-matmul rate times the phase's efficiency, plus the bytes its weights move (formulas.
+matmul rate times the phase's efficiency, plus the bytes its weights move (families/flux/plan.py
 weight_traffic_bytes: casts, gradients, a hand count) at the device's HBM bandwidth. The
-efficiencies are not typed in: formulas.efficiency derives each from a measured phase below, the
+efficiencies are not typed in: families/flux/plan.py `efficiency` derives each from a measured phase below, the
 FLOPs the measured job executes in it / ((its seconds less its weight traffic) x the matmul rate
 measured in the same process). So the plan reproduces the measured phases of the measured job, and
 scales them for any other job by its FLOPs and for another device by its matmul rate (devices.py);
@@ -33,7 +33,7 @@ import dataclasses
 # real shapes), one GPU, G = 12 images of one prompt at 512 px (1024 image tokens), 512 text tokens,
 # micro-batch 12, N = 16 steps, K = 9 trained (timestep fraction 0.6), LoRA 64 on the recommended
 # targets over a frozen bf16 base, bf16, recompute, jpeg_compressibility reward, text-embedding
-# cache: bench/full_size.py's defaults (formulas.Job's fields).
+# cache: bench/full_size.py's defaults (families/flux/plan.py `Job`'s fields).
 CALIBRATION_MODEL = "flux-dev"
 CALIBRATION_DEVICE = "h200"  # devices.py's profile of the measured card (its HBM bandwidth)
 CALIBRATION_JOB = dict(height=512, width=512, text_tokens=512, num_generations=12, prompts_per_iteration=1,
@@ -64,7 +64,3 @@ DECODE_REWARD = Measured(0.492, 785.6, _RUN.format("grpo.json"))
 # --compile-blocks), `eager` everything else.
 PHASES = {"eager": {"rollout": EAGER_ROLLOUT, "train": EAGER_TRAIN, "decode_reward": DECODE_REWARD},
           "compiled": {"rollout": COMPILED_ROLLOUT, "train": COMPILED_TRAIN, "decode_reward": DECODE_REWARD}}
-
-# For a device profile without a measured matmul rate: this fraction of its datasheet peak, the
-# H200's (791 TFLOP/s of 989, bench/bench_grpo.matmul_throughput on 2026-11-27). An assumption for any other device (Ascend's included).
-MATMUL_FRACTION_OF_PEAK = 791.0 / 989.0
