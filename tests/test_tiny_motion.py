@@ -18,6 +18,7 @@ from mm_grpo.families.wan.encoders import UMT5Conditioner, encode_video_latents,
 from mm_grpo.rewards.video import motion_scores
 from mm_grpo.tools import tiny_motion, train_tiny_vae, write_features
 from mm_grpo.families.wan.tiny import build_tiny_wan
+from mm_grpo.tiny.pipeline import write_pipeline
 from tests.test_launch_env import REPO
 from tests.test_video_rewards import one_line_error
 
@@ -47,7 +48,7 @@ def init_pipeline(videos, tmp_path_factory):
     data = train_tiny_vae.training_data(videos, "wan", range(8))
     vae = train_tiny_vae.train_vae(data, train_tiny_vae.VaeTraining(family="wan", steps=2, batch_size=2))
     train_tiny_vae.save_vae(vae, str(root / "vae"))
-    init = tiny_motion.tiny.write_pipeline(root / "init", lambda: tiny_motion.build_init_pipeline(root / "vae"))
+    init = write_pipeline(root / "init", lambda: tiny_motion.build_init_pipeline(root / "vae"))
     return init, root / "vae"
 
 

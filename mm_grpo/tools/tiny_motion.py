@@ -33,7 +33,6 @@ import torch
 from mm_grpo.data.motion import MIN_IMAGE_SIZE, MotionSpec, enumerate_prompts, render_video
 from mm_grpo.data.prompts import read_prompts
 from mm_grpo.data.shapes import BACKGROUNDS
-from mm_grpo.families.flux import tiny, tiny_shapes
 from mm_grpo.families.wan import tiny as tiny_wan
 from mm_grpo.families.wan.encoders import (TIMESTEP_SCALE, UMT5Conditioner, WanVaeDecoder, component_folder,
                                            encode_video_latents, load_tokenizer, video_latent_shape)
@@ -43,6 +42,8 @@ from mm_grpo.grpo.hyperparameters import GRPOSettings
 from mm_grpo.rewards.video import motion_scores
 from mm_grpo.rollout import sigma_schedule
 from mm_grpo.settings import add_setting_args, from_args, setting
+from mm_grpo.tiny.pipeline import seeded, write_pipeline
+from mm_grpo.tiny.text import grammar_t5_tokenizer, t5_token_ids
 from mm_grpo.tools.train_tiny_vae import WAN_LATENT_CHANNELS
 from mm_grpo.training.evaluation import Evaluator
 
@@ -76,14 +77,14 @@ def build_init_pipeline(vae_dir, seed=0, transformer_config=TRANSFORMER_CONFIG):
         raise ValueError(f"{vae_dir}: the VAE has {vae.config.z_dim} latent channels, the DiT takes "
                          f"{transformer_config['in_channels']} (train one with mm_grpo.tools.train_tiny_vae "
                          "--family wan)")
-    tokenizer = tiny_shapes.build_t5_tokenizer(grammar_corpus())
-    umt5_config = UMT5Config(**tiny.t5_token_ids(tokenizer), **tiny_wan.UMT5_CONFIG)
+    tokenizer = grammar_t5_tokenizer(grammar_corpus())
+    umt5_config = UMT5Config(**t5_token_ids(tokenizer), **tiny_wan.UMT5_CONFIG)
     return WanPipeline(
         scheduler=UniPCMultistepScheduler(**tiny_wan.SCHEDULER_CONFIG),
         vae=vae,
-        text_encoder=tiny._seeded(seed + 1, lambda: UMT5EncoderModel(umt5_config)),
+        text_encoder=seeded(seed + 1, lambda: UMT5EncoderModel(umt5_config)),
         tokenizer=tokenizer,
-        transformer=tiny._seeded(seed + 2, lambda: WanTransformer3DModel(**transformer_config)))
+        transformer=seeded(seed + 2, lambda: WanTransformer3DModel(**transformer_config)))
 
 
 def write_converter_reference(init_dir, out):
@@ -128,7 +129,7 @@ def finish_pipeline(init_dir, converted_dir, out):
     """The init pipeline with its DiT replaced by the trained one, saved to `out` (atomically)."""
     from diffusers import WanPipeline
 
-    return tiny.write_pipeline(out, lambda: WanPipeline.from_pretrained(
+    return write_pipeline(out, lambda: WanPipeline.from_pretrained(
         init_dir, transformer=load_converted(init_dir, converted_dir), tokenizer=load_tokenizer(init_dir)))
 
 
@@ -273,7 +274,7 @@ def main(argv=None):
     start = time.time()
     try:
         if args.command == "init":
-            print(tiny.write_pipeline(args.out, lambda: build_init_pipeline(args.vae, args.seed)))
+            print(write_pipeline(args.out, lambda: build_init_pipeline(args.vae, args.seed)))
         elif args.command == "converter-reference":
             print(write_converter_reference(args.init, args.out))
         elif args.command == "finish":

@@ -43,6 +43,7 @@ from mm_grpo.files.atomic import atomic_dir
 from mm_grpo.settings import add_setting_args, from_args, setting
 from mm_grpo.families.flux import tiny
 from mm_grpo.families.wan import tiny as tiny_wan
+from mm_grpo.tiny.pipeline import seeded
 
 FAMILIES = ("flux", "wan")
 WAN_LATENT_CHANNELS = 16  # Wan2.1's VAE
@@ -73,14 +74,14 @@ def build_vae(block_out_channels=(8, 16, 32, 32), seed=0, family="flux", latent_
 
     if family == "flux":
         config = dict(tiny.VAE_CONFIG, block_out_channels=list(block_out_channels))
-        return tiny._seeded(seed, lambda: AutoencoderKL(**config))
+        return seeded(seed, lambda: AutoencoderKL(**config))
     base = block_out_channels[0]
     if any(c % base for c in block_out_channels) or len(block_out_channels) != len(tiny_wan.VAE_CONFIG["dim_mult"]):
         raise ValueError(f"Wan's VAE takes {len(tiny_wan.VAE_CONFIG['dim_mult'])} stage widths, each a multiple "
                          f"of the first, got {tuple(block_out_channels)}")
     config = dict(tiny_wan.VAE_CONFIG, base_dim=base, dim_mult=[c // base for c in block_out_channels],
                   z_dim=latent_channels, latents_mean=[0.0] * latent_channels, latents_std=[1.0] * latent_channels)
-    return tiny._seeded(seed, lambda: AutoencoderKLWan(**config))
+    return seeded(seed, lambda: AutoencoderKLWan(**config))
 
 
 def per_frame(weigh, x):

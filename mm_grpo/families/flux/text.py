@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from mm_grpo.versions import transformers_5
+
 logger = logging.getLogger(__name__)
 
 MAX_SEQUENCE_LENGTH = 512  # FLUX.1's T5 length; FluxPipeline refuses more
@@ -25,12 +27,6 @@ _COMPONENTS = {
     "tokenizer_2": "T5TokenizerFast",
     "text_encoder_2": "T5EncoderModel",
 }
-
-
-def transformers_5() -> bool:
-    import transformers
-
-    return int(transformers.__version__.split(".")[0]) >= 5
 
 
 def _load(pipeline_dir, name, **kwargs):

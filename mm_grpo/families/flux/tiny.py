@@ -3,58 +3,21 @@
 The folder has every component FluxPipeline needs, with the real classes and
 FLUX's real scheduler / VAE scaling settings, only shrunk: tests and CPU smoke
 runs load it through the same code paths as FLUX.1-dev. Both tokenizers are
-learnt here from a small caption corpus (CLIP: byte-level BPE;
-T5: a SentencePiece Unigram model, as T5's own), so nothing is downloaded.
+learnt from a small caption corpus (CLIP: byte-level BPE, here; T5: a SentencePiece
+Unigram model, as T5's own, in mm_grpo/tiny/text.py), so nothing is downloaded.
 
     python -m mm_grpo.families.flux.tiny --out DIR [--seed 0]
 """
 import argparse
 import collections
-import io
 import json
 import tempfile
 from pathlib import Path
 
-import torch
-
-from mm_grpo.families.flux.text import transformers_5
 from mm_grpo.families.flux.transformer.config import PRESETS
-from mm_grpo.files.atomic import atomic_dir
-
-# Captions the tiny tokenizers are trained on; prompts outside this vocabulary
-# still tokenize (rare characters map to <unk>).
-CAPTIONS = (
-    "a photo of a cat sitting on a red chair",
-    "an astronaut riding a horse on the moon",
-    "a bowl of fruit on a wooden table",
-    "a watercolor painting of a lighthouse at sunset",
-    "two dogs playing in the snow",
-    "a city street at night with neon signs",
-    "a portrait of an old man with a white beard",
-    "a small boat on a calm blue lake",
-    "a red apple next to a green pear",
-    "a mountain landscape with pine trees and fog",
-    "a close up of a sunflower in a field",
-    "a cup of coffee on a desk by the window",
-    "a robot reading a book in a library",
-    "an oil painting of a ship in a storm",
-    "a bird sitting on a branch in spring",
-    "a bowl of ramen with an egg and green onions",
-    "a child flying a kite on the beach",
-    "a castle on a hill under a starry sky",
-    "a black and white photo of a train station",
-    "a teddy bear wearing a blue hat",
-    "a glass of orange juice with ice",
-    "a fox running through the autumn forest",
-    "a futuristic car parked in front of a house",
-    "a vase of roses on a kitchen table",
-    "a snowy village at dawn, digital art",
-    "a dragon flying over the ocean, fantasy style",
-    "a plate of pasta with tomato sauce",
-    "an owl with yellow eyes at night",
-    "a bicycle leaning against a brick wall",
-    "three cats sleeping on a sofa",
-)
+from mm_grpo.tiny.pipeline import seeded, write_pipeline
+from mm_grpo.tiny.text import CAPTIONS, T5_CONFIG, build_t5_tokenizer, t5_token_ids
+from mm_grpo.versions import transformers_5
 
 # FLUX.1's transformer shrunk (the `tiny` preset): D = 4 heads x 16 = 64, 16 input channels (4
 # latent channels packed 2x2), text width 32 = the T5 d_model and CLIP hidden size below.
@@ -101,22 +64,7 @@ CLIP_TEXT_CONFIG = dict(
     hidden_act="quick_gelu",  # as CLIP-L
 )
 
-# T5 v1.1 layout (gated GELU, untied head) at d_model 32.
-T5_CONFIG = dict(
-    d_model=32,
-    d_kv=8,
-    d_ff=64,
-    num_layers=2,
-    num_heads=4,
-    relative_attention_num_buckets=32,
-    relative_attention_max_distance=128,
-    feed_forward_proj="gated-gelu",
-    dropout_rate=0.0,
-    tie_word_embeddings=False,
-)
-
 CLIP_BPE_MERGES = 300
-T5_VOCAB_SIZE = 200  # an upper bound: SentencePiece stops earlier on this corpus
 
 
 def build_clip_tokenizer():
@@ -146,27 +94,6 @@ def clip_tokenizer(vocab, merges, **kwargs):
         vocab_file.write_text(json.dumps(vocab))
         merges_file.write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
         return CLIPTokenizerFast(vocab_file=str(vocab_file), merges_file=str(merges_file), **kwargs)
-
-
-def t5_tokenizer(vocab, **kwargs):
-    """T5's (fast) Unigram tokenizer from [(piece, score), ...] with pad 0, eos 1, unk 2, no sentinels.
-
-    transformers 5 takes the pieces directly; for 4.x the same backend is assembled here
-    (Metaspace pieces, "$A </s>"), as transformers 5 assembles it."""
-    from transformers import T5TokenizerFast
-
-    if transformers_5():
-        return T5TokenizerFast(vocab=vocab, extra_ids=0, **kwargs)
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-
-    backend = Tokenizer(models.Unigram(vocab, unk_id=2, byte_fallback=False))
-    metaspace = dict(replacement="\u2581", prepend_scheme="always", split=True)
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(**metaspace)])
-    backend.decoder = decoders.Metaspace(**metaspace)
-    backend.post_processor = processors.TemplateProcessing(
-        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)])
-    return T5TokenizerFast(tokenizer_object=backend, extra_ids=0, **kwargs)
 
 
 def _clip_words(texts):
@@ -213,37 +140,6 @@ def _merge(word, pair):
     return tuple(out)
 
 
-def build_t5_tokenizer():
-    """T5TokenizerFast over a SentencePiece Unigram model trained on CAPTIONS (pad 0, eos 1, unk 2 as T5)."""
-    import sentencepiece as spm
-
-    proto = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(CAPTIONS),
-        model_writer=proto,
-        model_type="unigram",
-        vocab_size=T5_VOCAB_SIZE,
-        hard_vocab_limit=False,
-        pad_id=0,
-        eos_id=1,
-        unk_id=2,
-        bos_id=-1,
-        normalization_rule_name="identity",
-        num_threads=1,  # single-threaded EM: the scores are bit-reproducible
-        minloglevel=2,
-    )
-    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
-    vocab = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
-    # FLUX never uses T5's sentinel tokens, so no <extra_id_*>.
-    return t5_tokenizer(vocab, model_max_length=512)
-
-
-def _seeded(seed, build):
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return build()
-
-
 def build_tiny_components(seed=0):
     """The seven FluxPipeline components, deterministic from `seed`."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
@@ -261,27 +157,13 @@ def build_tiny_components(seed=0):
     # One seed per weight-bearing component: changing one does not shift the others.
     return dict(
         scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
-        vae=_seeded(seed, lambda: AutoencoderKL(**VAE_CONFIG)),
-        text_encoder=_seeded(seed + 1, lambda: CLIPTextModel(clip_config)),
+        vae=seeded(seed, lambda: AutoencoderKL(**VAE_CONFIG)),
+        text_encoder=seeded(seed + 1, lambda: CLIPTextModel(clip_config)),
         tokenizer=tokenizer,
-        text_encoder_2=_seeded(seed + 2, lambda: T5EncoderModel(t5_config)),
+        text_encoder_2=seeded(seed + 2, lambda: T5EncoderModel(t5_config)),
         tokenizer_2=tokenizer_2,
-        transformer=_seeded(seed + 3, lambda: FluxTransformer2DModel(**TRANSFORMER_CONFIG)),
+        transformer=seeded(seed + 3, lambda: FluxTransformer2DModel(**TRANSFORMER_CONFIG)),
     )
-
-
-def t5_token_ids(tokenizer) -> dict:
-    """A T5-family config's vocabulary size and special ids (pad, eos, decoder start) for `tokenizer`."""
-    return dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                decoder_start_token_id=tokenizer.pad_token_id)
-
-
-def write_pipeline(path, make_pipeline) -> Path:
-    """`make_pipeline()` saved as the diffusers folder `path` (which must not exist), atomically; the
-    pipeline is built once the folder is known to be free."""
-    with atomic_dir(path) as tmp:
-        make_pipeline().save_pretrained(tmp, safe_serialization=True)
-    return Path(path)
 
 
 def build_tiny_pipeline(path, seed=0):

@@ -17,6 +17,8 @@ import torch
 from mm_grpo.data.shapes import BACKGROUNDS, ShapesConfig, enumerate_prompts
 from mm_grpo.files.atomic import atomic_dir
 from mm_grpo.families.flux import tiny
+from mm_grpo.tiny.pipeline import seeded
+from mm_grpo.tiny.text import T5_CONFIG, grammar_t5_tokenizer
 
 # The tiny transformer with a wider model: D = 4 heads x 24 = 96 (heads divisible by TP x SP = 4).
 TRANSFORMER_CONFIG = dict(tiny.TRANSFORMER_CONFIG, attention_head_dim=24, axes_dims_rope=[4, 10, 10])
@@ -41,17 +43,6 @@ def build_clip_tokenizer(corpus):
     return tiny.clip_tokenizer(vocab, merges, model_max_length=tiny.CLIP_TEXT_CONFIG["max_position_embeddings"])
 
 
-def build_t5_tokenizer(corpus):
-    """A T5 (Unigram) tokenizer whose pieces are the corpus's words, plus single characters so
-    that other text still tokenizes; pad 0, eos 1, unk 2 as T5. Built directly rather than
-    trained: SentencePiece's trainer keeps sub-word pieces on a corpus this repetitive."""
-    words = sorted({w for text in corpus for w in text.split()})
-    chars = sorted({c for w in words for c in w})
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    vocab += [("\u2581" + w, -1.0) for w in words] + [(c, -10.0) for c in chars]
-    return tiny.t5_tokenizer(vocab, model_max_length=512)
-
-
 # Relative offsets each T5 head attends to (previous, next, two back, two ahead).
 T5_HEAD_OFFSETS = (-1, 1, -2, 2)
 T5_LOCAL_BIAS = 10.0  # logit bonus: attention is practically one-hot on that offset
@@ -68,7 +59,7 @@ def local_t5(config, seed):
     from transformers import T5EncoderModel
     from transformers.models.t5.modeling_t5 import T5Attention
 
-    model = tiny._seeded(seed, lambda: T5EncoderModel(config))
+    model = seeded(seed, lambda: T5EncoderModel(config))
     attention = model.encoder.block[0].layer[0].SelfAttention  # the layer that owns the position bias
     bias = attention.relative_attention_bias.weight
     with torch.no_grad():
@@ -87,21 +78,21 @@ def build_init_pipeline(vae_dir, seed=0, transformer_config=TRANSFORMER_CONFIG):
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config
 
     corpus = grammar_corpus()
-    tokenizer, tokenizer_2 = build_clip_tokenizer(corpus), build_t5_tokenizer(corpus)
+    tokenizer, tokenizer_2 = build_clip_tokenizer(corpus), grammar_t5_tokenizer(corpus)
     clip_config = CLIPTextConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                                  **tiny.CLIP_TEXT_CONFIG)
     t5_config = T5Config(vocab_size=len(tokenizer_2), pad_token_id=tokenizer_2.pad_token_id,
                          eos_token_id=tokenizer_2.eos_token_id, decoder_start_token_id=tokenizer_2.pad_token_id,
-                         **tiny.T5_CONFIG)
+                         **T5_CONFIG)
     return FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**tiny.SCHEDULER_CONFIG),
         vae=AutoencoderKL.from_pretrained(vae_dir),
-        text_encoder=tiny._seeded(seed + 1, lambda: CLIPTextModel(clip_config)),
+        text_encoder=seeded(seed + 1, lambda: CLIPTextModel(clip_config)),
         tokenizer=tokenizer,
         text_encoder_2=local_t5(t5_config, seed + 2),
         tokenizer_2=tokenizer_2,
-        transformer=tiny._seeded(seed + 3, lambda: FluxTransformer2DModel(**transformer_config)))
+        transformer=seeded(seed + 3, lambda: FluxTransformer2DModel(**transformer_config)))
 
 
 def save_pipeline(pipe, out):

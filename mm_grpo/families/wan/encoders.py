@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from mm_grpo.families.flux.text import transformers_5
+from mm_grpo.versions import transformers_5
 
 WAN_VAE_TEMPORAL = 4  # the VAE's stride in time: 4k + 1 frames <-> k + 1 latent frames
 WAN_VAE_SPATIAL = 8  # and in height / width

@@ -3,19 +3,20 @@
 Every component WanPipeline needs, with the real classes and Wan2.1's real scheduler, VAE
 strides and latent normalisation, only shrunk: tests and CPU smoke runs load it through the same
 code paths as Wan2.1-T2V-1.3B. The umT5 tokenizer is the SentencePiece Unigram model that
-mm_grpo.families.flux.tiny learns for FLUX's T5 (umT5 tokenizes the same way, with a larger vocabulary).
+mm_grpo/tiny/text.py learns for the tiny T5s (umT5 tokenizes the same way, with a larger vocabulary).
 
     python -m mm_grpo.families.wan.tiny --out DIR [--seed 0]
 """
 import argparse
 
 from mm_grpo.families.wan.encoders import WAN_PATCH
-from mm_grpo.families.flux.tiny import T5_CONFIG, _seeded, build_t5_tokenizer, t5_token_ids, write_pipeline
+from mm_grpo.tiny.pipeline import seeded, write_pipeline
+from mm_grpo.tiny.text import T5_CONFIG, build_t5_tokenizer, t5_token_ids
 
 TINY_TEXT_LEN = 16  # max_sequence_length for tiny runs (Wan2.1: 512)
 
 # umT5 is T5 v1.1's layout (gated GELU, untied head) with a relative-position bias in every layer:
-# tiny FLUX's T5 sizes, d_model 32.
+# the tiny T5's sizes (FLUX's too), d_model 32.
 UMT5_CONFIG = T5_CONFIG
 
 # Wan2.1's VAE shrunk: four stages = three 2x spatial downsamples (factor 8), the last two also 2x
@@ -100,10 +101,10 @@ def build_tiny_wan_components(seed=0):
     # One seed per weight-bearing component: changing one does not shift the others.
     return dict(
         scheduler=UniPCMultistepScheduler(**SCHEDULER_CONFIG),
-        vae=_seeded(seed, lambda: AutoencoderKLWan(**VAE_CONFIG)),
-        text_encoder=_seeded(seed + 1, lambda: UMT5EncoderModel(umt5_config)),
+        vae=seeded(seed, lambda: AutoencoderKLWan(**VAE_CONFIG)),
+        text_encoder=seeded(seed + 1, lambda: UMT5EncoderModel(umt5_config)),
         tokenizer=tokenizer,
-        transformer=_seeded(seed + 2, lambda: WanTransformer3DModel(**TRANSFORMER_CONFIG)),
+        transformer=seeded(seed + 2, lambda: WanTransformer3DModel(**TRANSFORMER_CONFIG)),
     )
 
 
