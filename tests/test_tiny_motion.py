@@ -14,9 +14,11 @@ from mm_grpo.data.image_captions import VideoCaptionDataset, filmstrip, unstrip
 from mm_grpo.data.motion import (Motion, enumerate_prompts, generate_videos, main as motion_main, pretraining_split,
                                  render_motion)
 from mm_grpo.data.prompts import read_prompts
-from mm_grpo.families.wan.encoders import UMT5Conditioner, encode_video_latents, load_tokenizer, load_wan_vae
+from mm_grpo.families.wan import tiny_motion
+from mm_grpo.families.wan.encoders import (WAN_LATENT_CHANNELS, UMT5Conditioner, encode_video_latents, load_tokenizer,
+                                           load_wan_vae)
 from mm_grpo.rewards.video import motion_scores
-from mm_grpo.tools import tiny_motion, train_tiny_vae, write_features
+from mm_grpo.tools import tiny_motion as tiny_motion_cli, train_tiny_vae, write_features
 from mm_grpo.families.wan.tiny import build_tiny_wan
 from mm_grpo.tiny.pipeline import write_pipeline
 from tests.test_launch_env import REPO
@@ -117,7 +119,7 @@ def test_cell_means_of_a_video_follow_the_causal_encoders_chunks():
 def test_wan_vae_normalises_its_latents_per_channel(init_pipeline, videos):
     init, _ = init_pipeline
     vae = load_wan_vae(str(init))
-    assert vae.config.z_dim == train_tiny_vae.WAN_LATENT_CHANNELS
+    assert vae.config.z_dim == WAN_LATENT_CHANNELS
     latents = encode_video_latents(vae, VideoCaptionDataset(videos).videos(range(8)))
     assert latents.shape == (8, 16, 2, SIZE // 8, SIZE // 8)
     per_channel = latents.transpose(0, 1).flatten(1)
@@ -214,7 +216,7 @@ def test_evaluation_scores_ode_samples_beside_the_reference_levels(init_pipeline
     prompts.write_text("a red circle moving right\na blue square moving up\n")
     argv = ["evaluate", "--pipeline", str(init), "--prompts", str(prompts), "--num-frames", str(FRAMES),
             "--samples", "2", "--num-inference-steps", "2", "--out", str(tmp_path / "eval.json")]
-    tiny_motion.main(argv)
+    tiny_motion_cli.main(argv)
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("held-out motion ") and "2 prompts x 2 noises" in line and "ceiling 1.000" in line
     report = json.load(open(tmp_path / "eval.json"))
@@ -222,10 +224,10 @@ def test_evaluation_scores_ode_samples_beside_the_reference_levels(init_pipeline
     stats = report["stats"]
     assert {"eval/motion", "eval/full_credit", "eval/presence", "eval/travel", "eval/motion_ci_low"} <= set(stats)
     assert stats["eval/motion"] == stats["eval/reward_mean"] and 0 <= stats["eval/motion"] <= 1
-    tiny_motion.main(argv[:-2] + ["--references-only"])
+    tiny_motion_cli.main(argv[:-2] + ["--references-only"])
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("motion reward references (2 prompts x 2 videos)")
     prompts.write_text("a red circle\n")
-    refused(capsys, tiny_motion.main, argv, "not in the motion grammar")
-    refused(capsys, tiny_motion.main, ["check", "--num-frames", "9", "--image-size", "40"], "multiples of 16")
-    refused(capsys, tiny_motion.main, ["check", "--num-frames", "6", "--image-size", "32"], "4k + 1 frames")
+    refused(capsys, tiny_motion_cli.main, argv, "not in the motion grammar")
+    refused(capsys, tiny_motion_cli.main, ["check", "--num-frames", "9", "--image-size", "40"], "multiples of 16")
+    refused(capsys, tiny_motion_cli.main, ["check", "--num-frames", "6", "--image-size", "32"], "4k + 1 frames")

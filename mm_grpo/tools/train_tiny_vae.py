@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from mm_grpo.data.image_captions import ImageCaptionDataset, VideoCaptionDataset
-from mm_grpo.families.wan.encoders import WAN_VAE_TEMPORAL, video_latent_shape
+from mm_grpo.families.wan.encoders import WAN_LATENT_CHANNELS, WAN_VAE_TEMPORAL, video_latent_shape
 from mm_grpo.files.atomic import atomic_dir
 from mm_grpo.settings import add_setting_args, from_args, setting
 from mm_grpo.families.flux import tiny
@@ -46,7 +46,6 @@ from mm_grpo.families.wan import tiny as tiny_wan
 from mm_grpo.tiny.pipeline import seeded
 
 FAMILIES = ("flux", "wan")
-WAN_LATENT_CHANNELS = 16  # Wan2.1's VAE
 
 
 @dataclasses.dataclass(frozen=True)

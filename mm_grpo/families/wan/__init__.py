@@ -8,7 +8,9 @@
 - planner formulas: `plan.py`, its flags and table: `plan_cli.py`;
 - MindSpeed-MM glue: `mindspeed_mm.py` (the wandit predictor block, its launch checks and pipeline
   shapes);
-- tiny builders: `tiny.py` (a diffusers Wan2.1 pipeline of a 2-block DiT); the motion data and
-  rewards are shared (mm_grpo/data/motion.py, mm_grpo/rewards/video.py), the tiny motion recipe is
-  a tool (mm_grpo/tools/tiny_motion.py).
+- tiny builders: `tiny.py` (a diffusers Wan2.1 pipeline of a 2-block DiT), `tiny_motion.py` (the
+  motion pipeline's builders, its diffusers DiT as a `Denoiser`, its evaluation's reference levels);
+  the motion data and rewards are shared (mm_grpo/data/motion.py, mm_grpo/rewards/video.py), the
+  recipe's command line is a tool (mm_grpo/tools/tiny_motion.py: it evaluates with training's
+  `Evaluator`).
 """

@@ -13,6 +13,7 @@ from mm_grpo.versions import transformers_5
 
 WAN_VAE_TEMPORAL = 4  # the VAE's stride in time: 4k + 1 frames <-> k + 1 latent frames
 WAN_VAE_SPATIAL = 8  # and in height / width
+WAN_LATENT_CHANNELS = 16  # Wan2.1's VAE
 WAN_PATCH = (1, 2, 2)  # the DiT's patch (frames, rows, columns) over the latents
 # The DiT's timestep is sigma x 1000: diffusers' WanTransformer3DModel and MindSpeed-MM's wan_flow_match_scheduler
 # (num_train_timesteps 1000 in its configs) alike.
@@ -31,7 +32,7 @@ WANDIT_MICRO_BATCH_REASON = ("MindSpeed-MM's wandit computes one sample per micr
                              "modulation has no sample axis")
 
 
-def video_latent_shape(num_frames, height, width, channels=16):
+def video_latent_shape(num_frames, height, width, channels=WAN_LATENT_CHANNELS):
     """(C, T, h, w) of the latents of a `num_frames` x `height` x `width` video."""
     if num_frames < 1 or (num_frames - 1) % WAN_VAE_TEMPORAL:
         raise ValueError(f"num_frames {num_frames}: Wan's VAE takes {WAN_VAE_TEMPORAL}k + 1 frames (77, 81, ...)")
