@@ -186,5 +186,29 @@ def test_the_design_draws_the_structure_of_the_imports():
     assert drawn_graph() in DESIGN.read_text(), "docs/design.md's graph is stale: python tests/test_layering.py"
 
 
+def family_of(module: str):
+    """The family package a dotted module belongs to ('mm_grpo.families.wan.tiny' -> 'wan'), else None."""
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["mm_grpo", "families"] and len(parts) > 2 else None
+
+
+def test_no_family_imports_another():
+    """What two families share sits on a floor below both (mm_grpo/tiny, mm_grpo/versions.py, ...),
+    so each family can move, or go, alone."""
+    known = modules()
+    crossing = sorted(f"{name} imports {target}" for name, path in known.items() if family_of(name)
+                      for target in imports(path, known) if family_of(target) not in (None, family_of(name)))
+    assert not crossing, crossing
+
+
+def test_the_cross_family_check_sees_a_familys_own_imports():
+    known = modules()
+    assert {family_of(name) for name in known} >= {"flux", "wan"}
+    assert "mm_grpo.families.wan.encoders" in imports(known["mm_grpo.families.wan.tiny"], known)
+    # a function-level one: parts.py imports the text encoders inside `conditioner`
+    assert "mm_grpo.families.flux.text" in imports(known["mm_grpo.families.flux.parts"], known)
+    assert family_of("mm_grpo.families.flux") == "flux" and family_of("mm_grpo.families") is None
+
+
 if __name__ == "__main__":
     print(drawn_graph())
