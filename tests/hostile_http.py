@@ -56,6 +56,19 @@ def json_reply(value, status: str = "200 OK") -> bytes:
     return reply_bytes(json.dumps(value).encode(), status)
 
 
+def get_then_post(get_reply: bytes, post_answer):
+    """An `answer` for raw_server: each GET gets `get_reply`, each POST is left to `post_answer(server, conn)`."""
+    def answer(server, conn):
+        request = server.read_request(conn)
+        if request is None:
+            return
+        if request[0] == "GET":
+            conn.sendall(get_reply)
+        else:
+            post_answer(server, conn)
+    return answer
+
+
 @contextlib.contextmanager
 def raw_server(answer):
     """Serve on localhost: `answer(server, conn)` handles each connection in a thread of its own.

@@ -19,7 +19,7 @@ from mm_grpo.rewards import build_reward, flow_grpo_servers
 from mm_grpo.rewards.remote import RemoteRefused
 from mm_grpo.rewards.vlm_judge import UNIFIED_REWARD_QUESTION, parse_score
 from mm_grpo.tools.reward_server import free_socket, serve_app
-from tests.hostile_http import json_reply, raw_server, reply_bytes
+from tests.hostile_http import get_then_post, json_reply, raw_server, reply_bytes
 
 TRICKLE_S = 0.25  # one byte every quarter second keeps every socket read alive
 BOUND_S = 3.0  # a `timeout: 1` try answers well within this, even on a loaded machine
@@ -273,15 +273,7 @@ def test_vlm_judge_config_errors_are_one_line(tmp_path):
 # --- flow_grpo's servers misbehaving on the wire ----------------------------------------------
 def _flow_grpo_raw(score_answer):
     """flow_grpo's server as the wire sees it: a GET of / answers 405 (Flask's), a POST `score_answer`."""
-    def answer(server, conn):
-        request = server.read_request(conn)
-        if request is None:
-            return
-        if request[0] == "GET":
-            conn.sendall(reply_bytes(b"Method Not Allowed", "405 METHOD NOT ALLOWED", "text/html"))
-        else:
-            score_answer(server, conn)
-    return answer
+    return get_then_post(reply_bytes(b"Method Not Allowed", "405 METHOD NOT ALLOWED", "text/html"), score_answer)
 
 
 def _trickled_pickle(server, conn):

@@ -27,7 +27,7 @@ from megatron.core import parallel_state
 
 from mm_grpo.checkpoint import checksum
 from mm_grpo.checkpoint.metadata import shard_extras
-from mm_grpo.checkpoint.paths import RELEASE, SHARD_FILE, iteration_dir, model_key, shard_folders
+from mm_grpo.checkpoint.paths import RELEASE, SHARD_FILE, iteration_dir, model_key
 from mm_grpo.checkpoint.resume import check_train_iters, resume_point, unreadable
 from mm_grpo.checkpoint.shard_io import ShardReader, load_file, save_file
 from mm_grpo.checkpoint.writer import CheckpointWriter, clear_stale
@@ -154,7 +154,7 @@ def _load(folder, model_chunks, weights, optimizer, scheduler, load_optim, load_
              if same_layout else (0, 0))
     load_rng = load_rng and same_layout
     shard = os.path.join(folder, meta.shard_name(*ranks))
-    reader = ShardReader(os.path.join(folder, shard_folders(folder)[ranks], SHARD_FILE))
+    reader = ShardReader(os.path.join(shard, SHARD_FILE))
     try:
         state = shard_extras(reader)
     finally:
