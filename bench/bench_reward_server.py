@@ -13,9 +13,11 @@ import argparse
 import concurrent.futures
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -24,7 +26,7 @@ import torch
 
 from mm_grpo.data import shapes
 from mm_grpo.rewards import CombinedReward, build_reward, wire
-from mm_grpo.tools.reward_server import free_socket
+from mm_grpo.tools.reward_server import served_url
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REWARDS = os.path.join(REPO, "examples", "rewards", "rewards_shapes.json")
@@ -48,22 +50,37 @@ def shapes_batch(n: int, seed: int = 0):
     return images, captions
 
 
-def start_server(max_batch: int):
-    sock = free_socket()
-    port = sock.getsockname()[1]
-    sock.close()
-    proc = subprocess.Popen([sys.executable, "-m", "mm_grpo.tools.reward_server", "--rewards", REWARDS,
-                             "--port", str(port), "--max-batch", str(max_batch)], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-    while True:
-        try:
-            requests.get(url + wire.HEALTH_PATH, timeout=1)
-            return proc, url
-        except requests.ConnectionError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the reward server did not start: {proc.communicate()[1][-500:]}")
-            time.sleep(0.2)
+def start_server(command, within_s: float = 120, **popen):
+    """Starts a reward server (`command`: its argv, with --port 0 or PORT=0; `popen`: more of
+    Popen's arguments) and waits until it answers /health: (process, its URL, its stderr lines,
+    kept up to date by a reader thread that ends with the process).
+    The server picks its own port and names it: a port chosen here and freed would be a race."""
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **popen)
+    lines, urls = [], queue.Queue()
+
+    def read():
+        for line in proc.stderr:
+            lines.append(line)
+            if served_url(line):
+                urls.put(served_url(line))
+        urls.put(None)  # stderr closed: the server has exited
+    threading.Thread(target=read, name="reward-server-stderr", daemon=True).start()
+    deadline = time.monotonic() + within_s
+    try:
+        url = urls.get(timeout=within_s)
+        while url is not None:
+            try:
+                requests.get(url + wire.HEALTH_PATH, timeout=2).raise_for_status()
+                return proc, url, lines
+            except requests.RequestException:  # listening soon, or slow on a loaded machine
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+    except queue.Empty:
+        pass
+    proc.kill()
+    proc.wait()
+    raise RuntimeError(f"the reward server did not start: {''.join(lines)[-2000:]}")
 
 
 def main(argv=None):
@@ -83,7 +100,8 @@ def main(argv=None):
                           for i in range(0, len(prompts), args.images)])
     reference_s = time.perf_counter() - start
 
-    proc, url = start_server(args.max_batch)
+    proc, url, _ = start_server([sys.executable, "-m", "mm_grpo.tools.reward_server", "--rewards", REWARDS,
+                                 "--port", "0", "--max-batch", str(args.max_batch)])
     try:
         remote = build_reward({"name": "remote", "url": url, "retries": 0})
 
@@ -104,7 +122,7 @@ def main(argv=None):
         scored = requests.get(url + wire.HEALTH_PATH).json()["scored_images"]
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)
+        proc.wait(timeout=30)
 
     wrong = sum(not torch.equal(scores, expected[rows]) for rows, scores, _ in results)
     latency = np.array([t for _, _, t in results]) * 1000

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
+from tests.ports import free_port
 from tests.test_launch_env import REPO
-from tests.test_mindspeed_grpo import _free_port
 from tests.testbed import TESTBED, require_testbed, subprocess_env
 
 pytestmark = pytest.mark.mindspeed_mm  # pretrain_sora.py and WanConverter: MindSpeed-MM's environment
@@ -26,7 +26,7 @@ TOY = {"NUM_VIDEOS": "264", "VAE_STEPS": "2", "ITERS": "2", "GBS": "2", "WARMUP"
 def _run(tmp_path, script=SCRIPT, **variables):
     import subprocess
     env = subprocess_env(dict(os.environ, MM_GRPO_PYTHON=sys.executable, MINDSPEED_MM_TESTBED=TESTBED,
-                              MM_GRPO_ASCEND=str(tmp_path / "no_ascend"), MASTER_PORT=str(_free_port()), **variables))
+                              MM_GRPO_ASCEND=str(tmp_path / "no_ascend"), MASTER_PORT=str(free_port()), **variables))
     return subprocess.run(["bash", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 

@@ -16,8 +16,9 @@ from mm_grpo.rewards.base import RewardConfig
 from mm_grpo.settings import check_keys
 from mm_grpo.training import arguments, components, train_flow, train_grpo
 from mm_grpo.training.entry import run_entry
+from tests.ports import free_port
 from tests.test_launch_env import REPO
-from tests.test_run_trainer import _free_port, _pythonpath
+from tests.test_run_trainer import _pythonpath
 
 EXAMPLES = os.path.join(REPO, "examples")
 DEMO_MODEL = os.path.join(EXAMPLES, "flux", "model_shapes_demo.json")  # the CPU demo's (grpo_flux.sh)
@@ -183,7 +184,7 @@ def test_a_negative_lr_from_the_shipped_script_is_refused_in_one_line(tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=_pythonpath(), MM_GRPO_PYTHON=sys.executable, MM_GRPO_DEVICE="cpu",
                MM_GRPO_ASCEND=str(tmp_path / "no_ascend"), RUN_DIR=str(run_dir), NPUS_PER_NODE="1", ITERS="1",
-               LR="-1e-4", MASTER_PORT=str(_free_port()), PYTHONWARNINGS="ignore")
+               LR="-1e-4", MASTER_PORT=str(free_port()), PYTHONWARNINGS="ignore")
     proc = subprocess.run(["bash", "examples/flux/grpo_flux.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=SCRIPT_TIMEOUT_S)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]

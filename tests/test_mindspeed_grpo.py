@@ -35,6 +35,7 @@ from mm_grpo.grpo.batch import GRPOBatch
 from mm_grpo.training.run_guard import TrainingStopped, UnusableSaveFolder
 from tests.fixtures import parallel_1proc, peft_without_mindspeed_te_dummies  # noqa: F401
 from tests.grpo_helpers import grpo_argv, run_grpo, write_configs
+from tests.ports import free_port
 from tests.standins.ascend_install import ascend_install
 from tests.testbed import REPO, TESTBED, require_testbed, subprocess_env
 from tests.utils import make_inputs, reference_output, rel_err
@@ -97,12 +98,6 @@ def write_mindspeed_configs(folder, pipeline_dir, from_pretrained=None):
     return ours, *paths
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _child_env(**extra):
     """The launched processes: this checkout and the testbed importable, one thread each."""
     env = subprocess_env(dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
@@ -116,7 +111,7 @@ def _child_env(**extra):
 def run_script(tmp, run_dir, model_json, data_json, tools_json, load, extra=()):
     """examples/flux/mindspeed_mm/grpo_flux.sh with its variables set; returns its output."""
     tmp.mkdir()
-    env = _child_env(**SCRIPT_VARIABLES, MM_GRPO_ASCEND=str(ascend_install(tmp)), MASTER_PORT=str(_free_port()),
+    env = _child_env(**SCRIPT_VARIABLES, MM_GRPO_ASCEND=str(ascend_install(tmp)), MASTER_PORT=str(free_port()),
                      MINDSPEED_MM=os.path.join(TESTBED, "MindSpeed-MM"), MM_MODEL=model_json, MM_DATA=data_json,
                      MM_TOOL=tools_json, LOAD_PATH=load, SAVE_PATH=os.path.join(run_dir, "ckpt"),
                      TENSORBOARD_DIR=os.path.join(run_dir, "tb"), LOG_DIR=os.path.join(run_dir, "logs"))

@@ -6,7 +6,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 
@@ -21,6 +20,7 @@ from mm_grpo.files.jsonfile import load_json
 from mm_grpo.flow.matching import flow_matching_loss
 from mm_grpo.tools.write_features import main as write_features
 from tests.fixtures import parallel_1proc  # noqa: F401
+from tests.ports import free_port
 from tests.sora_helpers import (feature_batch, predictor_block, pretrain_sora, record_q_sample, set_megatron_args,
                                 write_configs, write_feature_dataset)
 from tests.standins.ascend_install import ascend_install
@@ -87,12 +87,6 @@ def test_shipped_model_json_passes_mindspeed_mm_validation(tmp_path):
         set_megatron_args(str(tmp_path / "model.json"), str(data))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _shipped(name, tmp_path, change):
     """examples/flux/mindspeed_mm/<name> with `change` applied to its parsed JSON, written to tmp_path."""
     config = load_json(os.path.join(EXAMPLE, name), name)
@@ -135,7 +129,7 @@ def test_pretrain_flux_sh_as_shipped_trains_on_written_features(tiny_pipeline_di
             os.pathsep)] if p),
         MM_GRPO_ASCEND=str(ascend_install(tmp_path)), MM_GRPO_DEVICE="cpu", OMP_NUM_THREADS="1",
         PYTHONWARNINGS="ignore", MINDSPEED_MM=os.path.join(TESTBED, "MindSpeed-MM"), NPUS_PER_NODE="2",
-        MASTER_PORT=str(_free_port()), TRAIN_ITERS="2", PRECISION="fp32", DIST_BACKEND="gloo",
+        MASTER_PORT=str(free_port()), TRAIN_ITERS="2", PRECISION="fp32", DIST_BACKEND="gloo",
         MM_MODEL=_shipped("pretrain_model.json", tmp_path, tiny_model),
         MM_DATA=_shipped("feature_data.json", tmp_path, tiny_data),
         LOAD_PATH=str(tmp_path / "nothing_to_load"), SAVE_PATH=str(save), LOG_DIR=str(tmp_path / "logs")))

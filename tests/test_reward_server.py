@@ -17,11 +17,11 @@ import pytest
 import requests
 import torch
 
-from bench.bench_reward_server import shapes_batch
+from bench.bench_reward_server import shapes_batch, start_server
 from mm_grpo.rewards import CombinedReward, build_reward, wire
 from mm_grpo.rewards.remote import RemoteRefused
 from mm_grpo.tools.reward_server import (PROG, BatchScorer, HeldPixels, ServerSettings, create_app, free_socket, main,
-                                         serve_app, unprotected_warning)
+                                         serve_app, served_url, serving_line, unprotected_warning)
 from tests.fixtures import parallel_1proc  # noqa: F401
 
 CONFIGS = [{"name": "compositional"}, {"name": "jpeg_compressibility", "weight": 0.5}]
@@ -220,6 +220,13 @@ def test_listening_beyond_localhost_without_a_token_is_one_warning_line():
     assert all(unprotected_warning(host, None, wire.TOKEN_ENV) is None for host in ("127.0.0.1", "localhost", "::1"))
 
 
+def test_the_serving_line_names_the_url_a_launcher_reads():
+    line = serving_line({"compositional_accuracy": 1.0}, "0.0.0.0", 41234)
+    assert served_url(line + "\n") == "http://0.0.0.0:41234"
+    assert served_url(f"{PROG}: error: cannot listen on 127.0.0.1:8000") is None
+    assert served_url("INFO: serving on http://127.0.0.1:1") is None  # another program's line
+
+
 def test_a_port_in_use_is_one_line_and_nothing_says_serving(tmp_path, capsys):
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
@@ -292,41 +299,29 @@ def test_non_finite_scores_travel_as_null():
 
 
 def test_the_shipped_launch_script_serves_the_shapes_rewards(tmp_path):
-    """examples/rewards/reward_server.sh as shipped (the port and the Python through its variables)."""
-    import os
+    """examples/rewards/reward_server.sh as shipped (the port and the Python through its variables;
+    PORT=0: the server picks a free port and its `serving` line names it)."""
     import signal
-    import subprocess
     import sys
-    sock = free_socket()
-    port = sock.getsockname()[1]
-    sock.close()
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PORT=str(port), HOST="127.0.0.1", MM_GRPO_DEVICE="cpu", MM_GRPO_PYTHON=sys.executable)
-    proc = subprocess.Popen(["bash", "examples/rewards/reward_server.sh"], cwd=repo, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = dict(os.environ, PORT="0", HOST="127.0.0.1", MM_GRPO_DEVICE="cpu", MM_GRPO_PYTHON=sys.executable)
+    proc, url, lines = start_server(["bash", "examples/rewards/reward_server.sh"], env=env)
     try:
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-        while True:
-            try:
-                served = requests.get(url + wire.HEALTH_PATH, timeout=1).json()["rewards"]
-                break
-            except (requests.ConnectionError, requests.Timeout):  # not up yet, or slow to answer on a loaded machine
-                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-                time.sleep(0.2)
+        served = requests.get(url + wire.HEALTH_PATH, timeout=30).json()["rewards"]
         assert served == {"compositional_accuracy": 1.0, "compositional": 0.0}
         images, prompts = shapes_batch(6)
         expected, _ = CombinedReward.from_configs([{"name": "compositional_accuracy"}])(images, prompts)
         assert torch.equal(_remote(url)(images, prompts), expected)
     finally:
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
+    err = "".join(lines)
     assert proc.returncode in (0, -signal.SIGTERM), err  # uvicorn shuts down, then re-raises the signal
-    assert "Traceback" not in err and f"serving {served} on http://127.0.0.1:{port}" in err
+    assert "Traceback" not in err and serving_line(served, "127.0.0.1", int(url.rsplit(":", 1)[1])) in err
 
 
 @pytest.mark.parametrize("case, message", [
     ("missing", "--rewards"), ("unknown", "unknown reward 'nope'"), ("no list", "expected a non-empty list"),
-    ("port", "--port must be >= 1, got 0"), ("token", "--token-env MY_REWARD_TOKEN: $MY_REWARD_TOKEN is not set"),
+    ("port", "--port must be >= 0, got -1"), ("token", "--token-env MY_REWARD_TOKEN: $MY_REWARD_TOKEN is not set"),
     ("budget", "--max-held-mpx 8 must be >= --max-request-mpx 16")])
 def test_server_bad_input_is_one_line_before_anything_listens(tmp_path, capsys, monkeypatch, case, message):
     path = tmp_path / "rewards.json"
@@ -336,7 +331,7 @@ def test_server_bad_input_is_one_line_before_anything_listens(tmp_path, capsys, 
     port = sock.getsockname()[1]
     sock.close()
     monkeypatch.delenv("MY_REWARD_TOKEN", raising=False)
-    flags = {"port": ["--port", "0"], "token": ["--token-env", "MY_REWARD_TOKEN"], "budget": ["--max-held-mpx", "8"]}
+    flags = {"port": ["--port", "-1"], "token": ["--token-env", "MY_REWARD_TOKEN"], "budget": ["--max-held-mpx", "8"]}
     with pytest.raises(SystemExit) as exit_:
         main(["--rewards", str(path), "--port", str(port), *flags.get(case, [])])
     err = capsys.readouterr().err

@@ -9,7 +9,6 @@ import json
 import os
 import resource
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -20,8 +19,9 @@ import pytest
 import requests
 from PIL import Image
 
+from bench.bench_reward_server import start_server
 from mm_grpo.rewards import wire
-from mm_grpo.tools.reward_server import OVERFLOW, free_socket
+from mm_grpo.tools.reward_server import OVERFLOW
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REWARDS = os.path.join(REPO, "examples", "rewards", "rewards_shapes.json")
@@ -36,17 +36,11 @@ class ServerProcess:
     """The reward server as a user starts it, its stderr collected line by line."""
 
     def __init__(self, *flags, open_files=None, env=None):
-        sock = free_socket()
-        self.port = sock.getsockname()[1]
-        sock.close()
         limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))) if open_files else None
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mm_grpo.tools.reward_server", "--rewards", REWARDS, "--port", str(self.port),
-             *flags], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=limit, env=env)
-        self.url, self.lines = f"http://127.0.0.1:{self.port}", []
-        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True)
-        self._reader.start()
-        self.wait_healthy(120)
+        self.proc, self.url, self.lines = start_server(
+            [sys.executable, "-m", "mm_grpo.tools.reward_server", "--rewards", REWARDS, "--port", "0", *flags],
+            preexec_fn=limit, env=env)
+        self.port = int(self.url.rsplit(":", 1)[1])
 
     def wait_healthy(self, within_s: float = 30):
         deadline = time.monotonic() + within_s
@@ -54,7 +48,7 @@ class ServerProcess:
             try:
                 if requests.get(self.url + wire.HEALTH_PATH, timeout=2).status_code == 200:
                     return
-            except requests.RequestException:  # not up yet, or slow on a loaded machine
+            except requests.RequestException:  # slow on a loaded machine
                 pass
             assert self.proc.poll() is None and time.monotonic() < deadline, "".join(self.lines)[-2000:]
             time.sleep(0.2)
@@ -85,7 +79,6 @@ class ServerProcess:
     def close(self):
         self.proc.terminate()
         self.proc.wait(30)
-        self._reader.join(10)
 
 
 @pytest.fixture(scope="module")

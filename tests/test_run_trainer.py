@@ -4,22 +4,16 @@ examples/flux/grpo_flux.sh as shipped, training its CPU demo."""
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 
+from tests.ports import free_port
 from tests.test_launch_env import REPO
 
 
 def _pythonpath():
     """This checkout first, then what the environment adds (Megatron-LM's tree in MindSpeed-MM's)."""
     return os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_grpo_flux_sh_exits_with_the_trainers_status_and_line(tmp_path):
@@ -30,7 +24,7 @@ def test_grpo_flux_sh_exits_with_the_trainers_status_and_line(tmp_path):
     (run_dir / "train.log").write_text("an earlier run's line\n")
     env = dict(os.environ, PYTHONPATH=_pythonpath(), MM_GRPO_PYTHON=sys.executable, MM_GRPO_DEVICE="cpu",
                MM_GRPO_ASCEND=str(tmp_path / "no_ascend"), RUN_DIR=str(run_dir), NPUS_PER_NODE="1", ITERS="1",
-               PROMPT_FILE=str(prompts), MASTER_PORT=str(_free_port()), PYTHONWARNINGS="ignore")
+               PROMPT_FILE=str(prompts), MASTER_PORT=str(free_port()), PYTHONWARNINGS="ignore")
     proc = subprocess.run(["bash", "examples/flux/grpo_flux.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     line = f"mm-grpo: error: prompt file {prompts} is not UTF-8 text (byte 9: b'\\xe9'); convert it, e.g. iconv -t UTF-8"
@@ -49,7 +43,7 @@ def test_grpo_flux_sh_as_shipped_trains_the_cpu_demo(tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=_pythonpath(), MM_GRPO_PYTHON=sys.executable,
                MM_GRPO_ASCEND=str(tmp_path / "no_ascend"), RUN_DIR=str(run_dir), NPUS_PER_NODE="1", ITERS="1",
-               PROMPTS="1", MBS="16", EVAL_PROMPTS="1", MASTER_PORT=str(_free_port()), PYTHONWARNINGS="ignore")
+               PROMPTS="1", MBS="16", EVAL_PROMPTS="1", MASTER_PORT=str(free_port()), PYTHONWARNINGS="ignore")
     env.pop("MM_GRPO_DEVICE", None)  # the script finds the CPU itself
     proc = subprocess.run(["bash", "examples/flux/grpo_flux.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)

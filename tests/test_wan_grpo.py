@@ -21,7 +21,8 @@ import torch
 
 from mm_grpo.families.wan.tiny import TINY_WAN_PREDICTOR, build_tiny_wan
 from tests.fixtures import parallel_1proc  # noqa: F401
-from tests.test_mindspeed_grpo import _child_env, _free_port, saved_model, scalars
+from tests.ports import free_port
+from tests.test_mindspeed_grpo import _child_env, saved_model, scalars
 from tests.testbed import REPO, TESTBED, require_testbed, subprocess_env
 from tests.utils import rel_err
 
@@ -148,7 +149,7 @@ def _run(tmp_path, name, **variables):
     """examples/wan/grpo_wan.sh with `variables` set; returns its run folder."""
     run_dir = tmp_path / name
     env = _child_env(RUN_DIR=str(run_dir), MM_GRPO_PYTHON=sys.executable, MINDSPEED_MM_TESTBED=TESTBED,
-                     MM_GRPO_ASCEND=str(tmp_path / "no_ascend"), MASTER_PORT=str(_free_port()), **variables)
+                     MM_GRPO_ASCEND=str(tmp_path / "no_ascend"), MASTER_PORT=str(free_port()), **variables)
     proc = subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"grpo_wan.sh {variables} failed (rc={proc.returncode}):\n{log[-6000:]}"

@@ -11,7 +11,7 @@
 #   REWARDS        JSON list of reward configs, or a model.json whose `reward` block is served
 #                  (default: rewards_shapes.json, the compositional rewards of the CPU demo)
 #   HPS_PATH ...   reward weights named in REWARDS
-#   HOST PORT      where to listen (default 0.0.0.0:8000: every interface)
+#   HOST PORT      where to listen (default 0.0.0.0:8000: every interface; PORT=0: a free port, named at start)
 #   MAX_BATCH      images scored together (default 64); MAX_QUEUE requests waiting (default 256)
 #   MAX_REQUEST_MB largest request body (default 64)
 #   MM_GRPO_DEVICE npu | cuda | cpu: the reward models' device (default: what mm_grpo detects)

@@ -26,6 +26,7 @@ import ipaddress
 import json
 import os
 import queue
+import re
 import resource
 import socket
 import sys
@@ -45,6 +46,7 @@ from mm_grpo.settings import add_setting_args, from_args, setting
 from mm_grpo.training.components import resolve_paths
 
 PROG = "python -m mm_grpo.tools.reward_server"
+SERVING = re.compile(re.escape(PROG) + r": serving .* on (http://\S+)$")
 MB = 2 ** 20
 # Open connections beyond OVERFLOW x --max-connections are closed as they are accepted; below
 # that uvicorn answers a request over --max-connections with 503.
@@ -62,7 +64,7 @@ WAIT_POLICY = "OMP_WAIT_POLICY"  # read by OpenMP once, when torch loads
 class ServerSettings:
     rewards: str = setting(None, "JSON list of reward configs, or a model.json (its `reward` block)", required=True)
     host: str = setting("127.0.0.1", "address to listen on (0.0.0.0: every interface; then set a token)")
-    port: int = setting(8000, "port to listen on", minimum=1)
+    port: int = setting(8000, "port to listen on (0: a free one, named in the `serving` line)", minimum=0)
     device: str = setting("cpu", "device of the reward models (cuda, npu, cpu)")
     max_batch: int = setting(64, "images scored together, at most (requests of one image size are joined, "
                                  "larger ones split)", minimum=1)
@@ -482,6 +484,17 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def serving_line(weights: dict, host: str, port: int) -> str:
+    """The line a started server writes to stderr; its URL names the port it listens on."""
+    return f"{PROG}: serving {weights} on http://{host}:{port}"
+
+
+def served_url(line: str) -> Optional[str]:
+    """The URL a `serving_line` names (how a launcher learns the port of --port 0), else None."""
+    found = SERVING.match(line.strip())
+    return found and found.group(1)
+
+
 def free_socket() -> socket.socket:
     """A socket bound to a free port of 127.0.0.1, not listening yet."""
     return listen_socket("127.0.0.1", 0)
@@ -590,7 +603,7 @@ def main(argv=None, reexec: bool = False):
     warning = unprotected_warning(settings.host, token, settings.token_env)
     if warning:
         warn(warning)
-    print(f"{PROG}: serving {reward.weights} on http://{settings.host}:{settings.port}", file=sys.stderr, flush=True)
+    print(serving_line(reward.weights, settings.host, sock.getsockname()[1]), file=sys.stderr, flush=True)
     server.run(sockets=[sock])
 
 
