@@ -6,7 +6,6 @@ import dataclasses
 import datetime
 import gc
 import os
-import socket
 import time
 from typing import Optional
 
@@ -47,12 +46,6 @@ class ParallelConfig:
         return dist.get_world_size() // (self.tp * self.pp * self.cp)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_process_group(timeout_minutes: int = 30):
     """torch.distributed from torchrun's env, or a 1-process group when run alone."""
     if dist.is_initialized():
@@ -63,9 +56,10 @@ def init_process_group(timeout_minutes: int = 30):
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if "RANK" in os.environ:  # torchrun
         dist.init_process_group(backend=platform.dist_backend, timeout=timeout)
-    else:  # one process, without touching os.environ (subprocesses may be torchrun)
+    else:  # one process: an in-memory store, so no port (another process could take a freed one
+        # before the group binds it) and os.environ untouched (subprocesses may be torchrun)
         dist.init_process_group(backend=platform.dist_backend, timeout=timeout, rank=0, world_size=1,
-                                init_method=f"tcp://127.0.0.1:{_free_port()}")
+                                store=dist.HashStore())
 
 
 def initialize_parallel(parallel: ParallelConfig = ParallelConfig(), seed: int = DEFAULT_SEED, timeout_minutes: int = 30):
