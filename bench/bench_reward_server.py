@@ -61,8 +61,8 @@ def start_server(command, within_s: float = 120, **popen):
     def read():
         for line in proc.stderr:
             lines.append(line)
-            if served_url(line):
-                urls.put(served_url(line))
+            if url := served_url(line):
+                urls.put(url)
         urls.put(None)  # stderr closed: the server has exited
     threading.Thread(target=read, name="reward-server-stderr", daemon=True).start()
     deadline = time.monotonic() + within_s

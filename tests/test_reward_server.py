@@ -134,7 +134,7 @@ def test_a_prompt_the_reward_cannot_score_is_refused_and_stops_the_run_in_one_li
 def test_mixed_image_sizes_in_one_request_are_refused_before_decoding():
     with pytest.raises(wire.BadRequest, match=r"one size, got \[\(8, 8\), \(16, 16\)\]"):
         wire.parse_request({"images": [PNG_8, PNG_16], "prompts": ["a", "b"]})
-    images, _ = wire.decode_request({"images": [PNG_8, PNG_8], "prompts": ["a", "b"]})
+    images = wire.decode_images(wire.parse_request({"images": [PNG_8, PNG_8], "prompts": ["a", "b"]}))
     assert images.dtype == torch.uint8 and images.shape == (2, 3, 8, 8)  # floats are made a batch at a time
 
 

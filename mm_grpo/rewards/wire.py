@@ -149,14 +149,6 @@ def decode_images(request: ScoreRequest) -> torch.Tensor:
     return torch.from_numpy(pixels).permute(0, 3, 1, 2)
 
 
-def decode_request(body: object, max_images: Optional[int] = None,
-                   max_pixels: Optional[int] = None) -> Tuple[torch.Tensor, List[str]]:
-    """A parsed /score body -> (images uint8 [B, 3, H, W], prompts); BadRequest naming what is
-    wrong, RequestTooLarge over the budget (before decoding)."""
-    request = parse_request(body, max_images, max_pixels)
-    return decode_images(request), request.prompts
-
-
 def _json_values(values: torch.Tensor) -> List[Optional[float]]:
     return [v if math.isfinite(v) else None for v in values.double().tolist()]
 

@@ -282,8 +282,9 @@ class BearerToken:
         await self.app(scope, receive, send)
 
 
-def _client(request) -> str:
-    return "{}:{}".format(*request.client) if request.client else "a client"
+def _client(address) -> str:
+    """A connection's peer (host, port), as the warnings name it."""
+    return "{}:{}".format(*address) if address else "a client"
 
 
 def create_app(reward, settings: ServerSettings, token: Optional[str] = None):
@@ -331,7 +332,7 @@ def create_app(reward, settings: ServerSettings, token: Optional[str] = None):
             body = await request.body()
         except ClientDisconnect:
             if not request.scope.get(READ_TIMED_OUT):  # else the connection's own warning said why
-                warn(f"{_client(request)} closed the connection before its request was read")
+                warn(f"{_client(request.client)} closed the connection before its request was read")
             return error(400, "the request was not read")  # nobody is there to read it
         held = request.app.state.held
         try:
@@ -351,7 +352,7 @@ def create_app(reward, settings: ServerSettings, token: Optional[str] = None):
         finally:
             held.give_back(pixels)
         if await request.is_disconnected():
-            warn(f"{_client(request)} closed the connection before its {len(total)} scores were sent")
+            warn(f"{_client(request.client)} closed the connection before its {len(total)} scores were sent")
         return encode_response(total, terms)
 
     return BearerToken(app, token, settings.token_env) if token else app
@@ -450,8 +451,8 @@ def guarded_protocol(settings: ServerSettings):
                 return
             if self.cycle is not None and not self.cycle.response_complete:
                 self.scope[READ_TIMED_OUT] = True
-            client = "{}:{}".format(*self.client) if self.client else "a client"
-            warn(f"closed the connection from {client}: no whole request within --read-timeout-s {read_timeout_s:g}")
+            warn(f"closed the connection from {_client(self.client)}: no whole request within --read-timeout-s "
+                 f"{read_timeout_s:g}")
             self.transport.close()
 
     return GuardedH11Protocol
