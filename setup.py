@@ -14,6 +14,7 @@ setup(
         "open_clip_torch>=2.24",
         "jsonargparse>=4.35",
         "docstring-parser",  # jsonargparse: option descriptions in `mm-convert --help`
+        "pydantic>=2.7",  # typed configs: model.json, data.json, config.json (mm_grpo/settings.py read_block)
         "tensorboard",
         "tqdm",
         "psutil",  # megatron-core's checkpoint writer needs it

@@ -1,19 +1,20 @@
 """Configs that refuse what they do not know: a key of model.json / data.json that nothing reads (a
 misspelt one, whose default would silently be used) ends the launch in one line naming the block, its
 file, the key and the nearest known key, before any work; a negative or zero rate is refused in one
-line, and a value such as -1e-4 reaches its flag (not argparse's usage)."""
+line, and a value such as -1e-4 reaches its flag (not argparse's usage). Every shipped config passes
+the checks of its values too (tests/test_typed_configs.py: types, ranges and names)."""
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
 
-from mm_grpo.families.flux.predictor_block import KNOWN_KEYS as FLUX_PREDICTOR_KEYS
+from mm_grpo.families.flux import predictor_block
 from mm_grpo.rewards.base import RewardConfig
-from mm_grpo.settings import check_keys
 from mm_grpo.training import arguments, components, train_flow, train_grpo
 from mm_grpo.training.entry import run_entry
 from tests.ports import free_port
@@ -43,9 +44,36 @@ REWARD_LISTS = _shipped("rewards/*.json")
 MINDSPEED_MM_CONFIGS = [p for p in CONFIGS if os.path.basename(p).startswith(("pretrain_model", "feature_data"))]
 
 
+# What the shipped scripts export for the $VARIABLES of the shipped configs (grpo_flux.sh's CPU demo,
+# pretrain_flux.sh's): the configs' values are checked once they are expanded.
+SHIPPED_ENVIRONMENT = {"PIPELINE_DIR": os.path.join(EXAMPLES, "flux", "tiny_shapes"),
+                       "HPS_PATH": "/models/HPS_v2.1_compressed.pt",
+                       "PROMPT_FILE": os.path.join(EXAMPLES, "flux", "shapes_prompts", "grpo_objects.txt"),
+                       "EVAL_PROMPT_FILE": os.path.join(EXAMPLES, "flux", "shapes_prompts", "eval_objects_report.txt"),
+                       "EVAL_SAMPLES": "64", "EVAL_SEED": "1", "DATA_DIR": "data"}
+
+
+@pytest.fixture(autouse=True)
+def shipped_environment(monkeypatch):
+    for name, value in SHIPPED_ENVIRONMENT.items():
+        monkeypatch.setenv(name, value)
+
+
 def _load(path):
     with open(path) as f:
         return json.load(f)
+
+
+def _variables(config) -> set:
+    """The $VARIABLES a config's values use (its comment's are never expanded)."""
+    values = {k: v for k, v in config.items() if k != "comment"} if isinstance(config, dict) else config
+    return set(re.findall(r"\$\{?(\w+)", json.dumps(values)))
+
+
+def test_every_variable_of_the_shipped_configs_is_set_here():
+    """Else the checks below would stop at the unset variable instead of reading the values."""
+    used = set().union(*(_variables(_load(path)) for path in CONFIGS))
+    assert used and used <= set(SHIPPED_ENVIRONMENT), used - set(SHIPPED_ENVIRONMENT)
 
 
 def test_every_shipped_config_has_a_reader():
@@ -55,25 +83,25 @@ def test_every_shipped_config_has_a_reader():
 
 
 @pytest.mark.parametrize("path", MODEL_CONFIGS, ids=lambda p: os.path.relpath(p, EXAMPLES))
-def test_every_shipped_model_json_passes_the_key_check(path):
+def test_every_shipped_model_json_passes_the_checks(path):
     components.check_model_config(_load(path), path)
 
 
 @pytest.mark.parametrize("path, keys", [(p, components.GRPO_DATASET_KEYS) for p in GRPO_DATA_CONFIGS]
                          + [(p, train_flow.FLOW_DATASET_KEYS) for p in FLOW_DATA_CONFIGS],
                          ids=lambda x: os.path.relpath(x, EXAMPLES) if isinstance(x, str) else "")
-def test_every_shipped_data_json_passes_the_key_check(path, keys):
+def test_every_shipped_data_json_passes_the_checks(path, keys):
     components.check_data_config(_load(path), path, keys)
 
 
 @pytest.mark.parametrize("path", REWARD_LISTS + MINDSPEED_MM_CONFIGS, ids=lambda p: os.path.relpath(p, EXAMPLES))
-def test_shipped_reward_lists_and_flux_blocks_pass_the_key_check(path):
+def test_shipped_reward_lists_and_flux_blocks_pass_the_checks(path):
     config = _load(path)
     if isinstance(config, list):  # the reward server's --rewards
         for entry in config:
             RewardConfig.from_any(entry, where=path)
-    elif config.get("predictor", {}).get("model_id") == "flux":
-        check_keys(config["predictor"], FLUX_PREDICTOR_KEYS, path)
+    elif config.get("predictor", {}).get("model_id") == predictor_block.MODEL_ID:
+        predictor_block.check_block(config["predictor"], f"{path} predictor")
 
 
 # --- the attacks, through the trainer's entry --------------------------------------------------------
@@ -182,7 +210,8 @@ def test_a_negative_lr_from_the_shipped_script_is_refused_in_one_line(tmp_path):
     """`LR=-1e-4 bash examples/flux/grpo_flux.sh` printed argparse's 52-line usage for --lr (-1e-4 read as
     an option): the value now reaches --lr, which refuses it in one line, before --save is made."""
     run_dir = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=_pythonpath(), MM_GRPO_PYTHON=sys.executable, MM_GRPO_DEVICE="cpu",
+    inherited = {k: v for k, v in os.environ.items() if k not in SHIPPED_ENVIRONMENT}  # the script sets them
+    env = dict(inherited, PYTHONPATH=_pythonpath(), MM_GRPO_PYTHON=sys.executable, MM_GRPO_DEVICE="cpu",
                MM_GRPO_ASCEND=str(tmp_path / "no_ascend"), RUN_DIR=str(run_dir), NPUS_PER_NODE="1", ITERS="1",
                LR="-1e-4", MASTER_PORT=str(free_port()), PYTHONWARNINGS="ignore")
     proc = subprocess.run(["bash", "examples/flux/grpo_flux.sh"], cwd=REPO, env=env, capture_output=True, text=True,

@@ -125,7 +125,9 @@ def test_bad_input_is_one_line(call, message):
 
 def test_eval_settings_read_environment_strings_as_numbers():
     assert eval_settings({}) == (1, 0)
-    assert eval_settings({"eval_samples_per_prompt": "64", "eval_seed": "1"}) == (64, 1)
+    from mm_grpo.settings import Expanded  # what "$EVAL_SAMPLES" in data.json becomes once expanded
+    assert eval_settings({"eval_samples_per_prompt": Expanded("64", "$EVAL_SAMPLES"),
+                          "eval_seed": Expanded("1", "$EVAL_SEED")}) == (64, 1)
 
 
 # --- what the evaluation logs and reports ------------------------------------------------

@@ -321,11 +321,11 @@ def test_config_paths_resolve_like_a_shell(tmp_path, monkeypatch):
     out = resolve_paths(cfg, "/configs")
     assert out["ae"]["from_pretrained"] == str(tmp_path / "models/flux")  # set in the shell: from the cwd
     assert out["predictor"]["from_pretrained"] == "/configs/weights/transformer"  # written in the JSON
-    assert out["reward"][0]["path"] == "/abs/hps.pt" and out["comment"] == "models/flux stays a string"
+    assert out["reward"][0]["path"] == "/abs/hps.pt" and out["comment"] == "$PIPELINE_DIR stays a string"
     monkeypatch.setenv("EVAL_PROMPT_FILE", "")  # grpo_flux.sh exports it empty when not given: no evaluation
     assert resolve_paths({"eval_prompt_file": "$EVAL_PROMPT_FILE"}, "/configs") == {"eval_prompt_file": ""}
     monkeypatch.delenv("PIPELINE_DIR")
-    with pytest.raises(ValueError, match="undefined environment variable in config value '\\$PIPELINE_DIR'"):
+    with pytest.raises(ValueError, match=r"^config ae: from_pretrained uses \$PIPELINE_DIR, which is not set in the environment$"):
         resolve_paths(cfg, "/configs")
 
 

@@ -1,11 +1,13 @@
 """Settings declared once (mm_grpo/settings.py): the flag, its parsing and its checks come from the field."""
 import argparse
 import dataclasses
-from typing import Optional, Tuple
+import pickle
+from typing import Literal, Optional, Tuple
 
 import pytest
 
-from mm_grpo.settings import accept_negative_numbers, add_setting_args, check_bounds, check_keys, from_args, setting
+from mm_grpo.settings import (Count, Expanded, accept_negative_numbers, add_setting_args, check_bounds, check_keys,
+                              expand_variables, from_args, read_block, setting)
 from mm_grpo.training import arguments
 
 
@@ -86,6 +88,60 @@ def test_an_unknown_key_is_one_line_with_the_nearest_known_one():
                                  'max_sequence_length)'
     with pytest.raises(ValueError, match=r"^model.json ae must be a JSON object, got list$"):
         check_keys(["from_pretrained"], known, "model.json ae")
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    steps: Count = 16
+    shift: Optional[float] = None
+    kind: Literal["ode", "sde"] = "ode"
+    fast: bool = False
+
+
+@pytest.mark.parametrize("block, line", [
+    ({"steps": "16"}, "steps must be a whole number >= 1, got '16'"),
+    ({"steps": True}, "steps must be a whole number >= 1, got True"),
+    ({"steps": 1.0}, "steps must be a whole number >= 1, got 1.0"),
+    ({"steps": 0}, "steps must be a whole number >= 1, got 0"),
+    ({"shift": "3"}, "shift must be a number, got '3'"),
+    ({"kind": "od"}, "kind must be one of \"ode\", \"sde\", got 'od' (did you mean \"ode\"?)"),
+    ({"fast": "false"}, "fast must be true or false, got 'false'"),
+    ({"fast": 1}, "fast must be true or false, got 1"),
+    ({"stesp": 1}, 'unknown key "stesp" (did you mean "steps"?)'),
+])
+def test_a_block_value_of_the_wrong_type_is_one_line(block, line):
+    with pytest.raises(ValueError) as refused:
+        read_block(Block, block, "model.json x")
+    assert str(refused.value) == f"model.json x: {line}"
+
+
+def test_a_whole_variable_is_read_as_the_number_or_boolean_the_field_wants(monkeypatch):
+    monkeypatch.setenv("STEPS", "8")
+    monkeypatch.setenv("FAST", "true")
+    monkeypatch.setenv("KIND", "sde")
+    assert read_block(Block, {"steps": "$STEPS", "shift": "${STEPS}", "kind": "$KIND", "fast": "$FAST"}, "b") == \
+        Block(8, 8.0, "sde", True)
+    with pytest.raises(ValueError) as refused:  # part of a text is text
+        read_block(Block, {"steps": "$STEPS$STEPS"}, "b")
+    assert str(refused.value) == "b: steps must be a whole number >= 1, got '88' (from $STEPS$STEPS)"
+    monkeypatch.delenv("STEPS")
+    with pytest.raises(ValueError) as refused:
+        read_block(Block, {"steps": "$STEPS"}, "b")
+    assert str(refused.value) == "b: steps uses $STEPS, which is not set in the environment"
+
+
+def test_expansion_names_the_entry_and_leaves_comments_and_keeps_what_was_written(monkeypatch):
+    monkeypatch.delenv("NOT_SET", raising=False)
+    monkeypatch.setenv("DIR", "/models")
+    config = {"comment": "$NOT_SET", "reward": [{"name": "hps", "path": "$DIR/hps.pt"}]}
+    expanded = expand_variables(config, "model.json")
+    assert expanded == {"comment": "$NOT_SET", "reward": [{"name": "hps", "path": "/models/hps.pt"}]}
+    path = expanded["reward"][0]["path"]
+    assert pickle.loads(pickle.dumps(path)).written == path.written == "$DIR/hps.pt"
+    with pytest.raises(ValueError) as refused:
+        expand_variables({"reward": [{"name": "hps", "path": "$NOT_SET"}]}, "model.json")
+    assert str(refused.value) == 'model.json reward "hps": path uses $NOT_SET, which is not set in the environment'
+    assert isinstance(expand_variables("${DIR}", "x"), Expanded)
 
 
 def test_a_bool_on_by_default_is_switched_off_by_its_no_flag():

@@ -71,6 +71,12 @@ class GRPOSettings:
         if self.timestep_selection in WINDOWED and not 1 <= self.window_size <= trainable:
             raise ValueError(f"--window-size must be in [1, {trainable}] (the steps that can draw noise), "
                              f"got {self.window_size}")
+        try:  # before the model is built: otherwise the first rollout's step selection says it
+            self.trained_steps_per_sample
+        except ValueError as e:
+            raise ValueError(f"--timestep-fraction {self.timestep_fraction} with --num-inference-steps "
+                             f"{self.num_inference_steps} (--timestep-selection {self.timestep_selection}): "
+                             f"{e}") from None
         if not self.clip_range > 0 or self.kl_beta < 0:
             raise ValueError(f"need --clip-range > 0 and --kl-beta >= 0, got {self.clip_range} and {self.kl_beta}")
         per_update = n // self.updates_per_rollout

@@ -11,10 +11,11 @@ import importlib.machinery
 import importlib.util
 import sys
 
+from mm_grpo.families.flux import predictor_block
 from mm_grpo.families.flux.mindspeed_mm import FluxPredictor
 
 MINDSPEED_MM_PREDICTORS = "mindspeed_mm.models.predictor.predict_model"
-MODEL_REGISTRY = {"flux": FluxPredictor}
+MODEL_REGISTRY = {predictor_block.MODEL_ID: FluxPredictor}
 
 
 def build_model(model_id, **kwargs):

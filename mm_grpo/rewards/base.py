@@ -6,15 +6,19 @@ be wrong with a config (unknown name, missing or mismatched weights) fails at co
 """
 import dataclasses
 import math
+import typing
 from pathlib import Path
+from typing import Annotated, Literal, Optional
 
 import torch
+from pydantic import Field
 
-from mm_grpo.settings import check_keys
+from mm_grpo.settings import NonNegative, check_keys, read_block
 
 REWARDS = {}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]  # a remote reward's timeout
 
 
 @dataclasses.dataclass
@@ -37,22 +41,23 @@ class RewardConfig:
     """
 
     name: str
-    path: str | None = None
-    weight: float = 1.0
-    arch: str | None = None
-    clip_path: str | None = None
-    dtype: str = "float32"
-    url: str | None = None
-    timeout: float = 60.0
-    retries: int = 2
-    model: str | None = None
-    backbone: str | None = None
+    path: Optional[str] = None
+    weight: float = 1.0  # finite: CombinedReward's check
+    arch: Optional[str] = None
+    clip_path: Optional[str] = None
+    dtype: Literal[tuple(_DTYPES)] = "float32"
+    url: Optional[str] = None
+    timeout: Seconds = 60.0
+    retries: NonNegative = 2
+    model: Optional[str] = None
+    backbone: Optional[str] = None
 
     @classmethod
     def from_any(cls, cfg, where: str = None):
         """The config of a dict (a model.json `reward` entry): its keys are the fields of its reward's
         config class (`config_class`, else this one), any other refused in one line naming `where`
-        (e.g. 'model.json reward "hps"'; default: 'reward config "<name>"')."""
+        (e.g. 'model.json reward "hps"'; default: 'reward config "<name>"'), as is a value of the wrong
+        type or range; a field holding another reward's config (`frames`' inner) is read the same way."""
         if isinstance(cfg, cls):
             return cfg
         if not isinstance(cfg, dict):
@@ -60,11 +65,13 @@ class RewardConfig:
         own = getattr(REWARDS.get(cfg.get("name")), "config_class", cls)  # a reward with fields of its own
         if issubclass(own, cls) and own is not cls:
             return own.from_any(cfg, where)
-        named = f' "{cfg["name"]}"' if "name" in cfg else ""
-        check_keys(cfg, [f.name for f in dataclasses.fields(cls)], where or f"reward config{named}")
+        where = where or f'reward config "{cfg.get("name")}"'
         if "name" not in cfg:
+            check_keys(cfg, [f.name for f in dataclasses.fields(cls)], where)  # a misspelt key first
             raise ValueError(f"reward config needs a 'name': {cfg}")
-        return cls(**cfg)
+        nested = [k for k in _reward_fields(cls) if cfg.get(k) is not None]
+        config = read_block(cls, {k: v for k, v in cfg.items() if k not in nested}, where)
+        return dataclasses.replace(config, **{k: RewardConfig.from_any(cfg[k], f"{where} {k}") for k in nested})
 
     @property
     def torch_dtype(self):
@@ -81,6 +88,12 @@ class RewardConfig:
         if not (path.is_file() if kind == "file" else path.is_dir()):
             raise FileNotFoundError(f"reward {self.name!r}: {field} {path} is not an existing {kind}")
         return path
+
+
+def _reward_fields(config_class) -> list:
+    """The fields of a reward config class that hold another reward's config."""
+    hints = typing.get_type_hints(config_class)
+    return [name for name, hint in hints.items() if RewardConfig in (hint, *typing.get_args(hint))]
 
 
 def register_reward(name):

@@ -10,82 +10,117 @@ model.json:
 data.json:
   {"dataset_param": {"prompt_file": ..., "eval_prompt_file": ...},
    "dataloader_param": {"shuffle": true, "seed": 1234}}
-String values may use $VARIABLES from the environment. Relative paths written in the JSON are
-taken from the JSON file's folder; a path that starts with a variable ("$PIPELINE_DIR/vae") is
-taken from the working directory, as the shell that set the variable would.
+String values may use $VARIABLES from the environment ("comment"s are left as written). Relative paths
+written in the JSON are taken from the JSON file's folder; a path that starts with a variable
+("$PIPELINE_DIR/vae") is taken from the working directory, as the shell that set the variable would.
 
-Every key of a block mm-grpo reads is declared here, beside its reader (the predictor's in
-mm_grpo/families/flux/predictor_block.py, a reward's by its config class); `check_model_config` and
-`check_data_config` refuse any other in one line naming the nearest known key, before any work.
+Every key of a block mm-grpo reads is declared, with the type and range of its value, as a field of
+the block's schema beside its reader (mm_grpo/configs.py, each family's `MODEL_BLOCKS`, a reward's
+config class, `DatasetParam` and `DataloaderParam` here); `check_model_config` and `check_data_config`
+refuse a key nothing reads (naming the nearest known one) and a wrong value, each in one line naming
+the file, the block and the key, before any work.
 """
+import dataclasses
 import os
+from typing import Annotated, Literal, Optional
 
-from mm_grpo.configs import MODEL_FLAG, block, configured_size
+from pydantic import Field
+
+from mm_grpo.configs import MODEL_FLAG, MODEL_KEYS, ModelFile, block, configured_size
 from mm_grpo.data import PromptStream, read_prompts
+from mm_grpo.families.flux import predictor_block as flux_block
 from mm_grpo.families.flux.parts import parts as flux_parts
-from mm_grpo.families.flux.predictor_block import KNOWN_KEYS as FLUX_PREDICTOR_KEYS
 from mm_grpo.families.flux.transformer.latents import token_grid
+from mm_grpo.families.wan import mindspeed_mm as wan
 from mm_grpo.grpo.schedule import GRPOSchedule
 from mm_grpo.rewards.base import RewardConfig
 from mm_grpo.rewards.combined import CombinedReward
-from mm_grpo.settings import check_keys
+from mm_grpo.settings import Expanded, expand_variables, read_block
+from mm_grpo.training.evaluation import HeldOutParam
 
-
-# The keys of each block mm-grpo reads. `model_id` and `comment` are read by nobody: MindSpeed-MM's
-# block names (the shipped configs carry them) and notes for the reader.
-MODEL_KEYS = ("comment", "ae", "text_encoder", "predictor", "reward", "image_size",
-              "num_frames")  # num_frames: Wan's video length (mm_grpo/families/wan/mindspeed_mm.py)
-TEXT_ENCODER_KEYS = ("model_id", "from_pretrained", "max_sequence_length", "embeddings_cache")
-AE_KEYS = ("model_id", "from_pretrained")
-FLUX_MODEL_IDS = (None, "flux")  # predictor blocks of FLUX (mm-grpo's trainers read no model_id)
-DATA_KEYS = ("comment", "dataset_param", "dataloader_param")
-DATALOADER_KEYS = ("shuffle", "seed")
-EVAL_KEYS = ("eval_prompt_file", "eval_samples_per_prompt", "eval_seed")  # evaluation.eval_settings
+# model.json's predictor model_id -> the family's blocks (no model_id: FLUX, mm-grpo's own trainers' model)
+FAMILIES = {flux_block.MODEL_ID: flux_block.MODEL_BLOCKS, wan.MODEL_ID: wan.MODEL_BLOCKS}
+EVAL_KEYS = tuple(f.name for f in dataclasses.fields(HeldOutParam))  # evaluation.eval_settings
 GRPO_DATASET_KEYS = ("prompt_file", *EVAL_KEYS)
+# torch.Generator.manual_seed takes seeds below 2^64; the prompt stream adds the epoch to this one
+MAX_DATA_SEED = 2 ** 63 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PredictorFamily:
+    """The predictor block's model_id, which picks the family whose blocks model.json holds."""
+    model_id: Literal[tuple(FAMILIES)] = flux_block.MODEL_ID
+
+
+@dataclasses.dataclass(frozen=True)
+class DataFile:
+    """data.json's own values, beside its two blocks."""
+    comment: str = ""
+
+
+DATA_KEYS = (*(f.name for f in dataclasses.fields(DataFile)), "dataset_param", "dataloader_param")
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetParam(HeldOutParam):
+    """Every key a trainer reads of data.json's dataset_param: GRPO's prompts, flow matching's image-caption
+    folder (mm_grpo/training/train_flow.py), both trainers' held-out evaluation; which of them a trainer
+    accepts is its `dataset_keys`."""
+    prompt_file: Optional[str] = None
+    data_folder: Optional[str] = None
+    image_column: Optional[str] = None
+    caption_column: Optional[str] = None
+    cache_features: Optional[bool] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DataloaderParam:
+    shuffle: bool = True
+    seed: Optional[Annotated[int, Field(ge=0, le=MAX_DATA_SEED)]] = None  # default: the run's --seed
+
 
 PATH_KEYS = ("from_pretrained", "path")
 PATH_SUFFIXES = ("_file", "_path", "_cache")
 
 
-def _expand(value: str) -> str:
-    expanded = os.path.expandvars(value)
-    if "$" in expanded:
-        raise ValueError(f"undefined environment variable in config value {value!r}")
-    return expanded
-
-
-def _is_path(key: str, value) -> bool:
-    return isinstance(value, str) and bool(value) and (key in PATH_KEYS or key.endswith(PATH_SUFFIXES))
+def _is_path(key, value) -> bool:
+    return isinstance(value, str) and bool(value) and isinstance(key, str) and (
+        key in PATH_KEYS or key.endswith(PATH_SUFFIXES))
 
 
 def _absolute(value: str, base_dir: str) -> str:
-    expanded = _expand(value)
-    if not expanded or os.path.isabs(expanded):  # "$EVAL_PROMPT_FILE" set to "": the option is off
-        return expanded
-    return os.path.normpath(os.path.join(os.getcwd() if value.startswith("$") else base_dir, expanded))
+    if not value or os.path.isabs(value):  # "$EVAL_PROMPT_FILE" set to "": the option is off
+        return value
+    from_shell = isinstance(value, Expanded) and value.written.startswith("$")
+    path = os.path.normpath(os.path.join(os.getcwd() if from_shell else base_dir, value))
+    return Expanded(path, value.written) if isinstance(value, Expanded) else path
 
 
-def resolve_paths(config, base_dir):
-    """Expand $VARS, and make relative `*path*` / `from_pretrained` / `*_file` entries absolute."""
+def _absolute_paths(config, base_dir, key=None):
     if isinstance(config, dict):
-        return {k: _absolute(v, base_dir) if _is_path(k, v) else resolve_paths(v, base_dir) for k, v in config.items()}
+        return {k: _absolute_paths(v, base_dir, k) for k, v in config.items()}
     if isinstance(config, list):
-        return [resolve_paths(v, base_dir) for v in config]
-    if isinstance(config, str):
-        return _expand(config)
-    return config
+        return [_absolute_paths(v, base_dir) for v in config]
+    return _absolute(config, base_dir) if _is_path(key, config) else config
+
+
+def resolve_paths(config, base_dir, source="config"):
+    """Expand $VARS (`source`: the file, in the one line an unset variable gets), and make relative
+    `*path*` / `from_pretrained` / `*_file` entries absolute."""
+    return _absolute_paths(expand_variables(config, source), base_dir)
 
 
 def check_model_config(model_cfg, source=MODEL_FLAG):
-    """One line for a key of model.json (`source`: its file) that nothing reads: at the top level, in
-    text_encoder, ae, a FLUX predictor or a reward entry (a wandit predictor is MindSpeed-MM's to read)."""
-    check_keys(model_cfg, MODEL_KEYS, source)
-    for name, known in (("text_encoder", TEXT_ENCODER_KEYS), ("ae", AE_KEYS)):
+    """One line for a key of model.json (`source`: its file) that nothing reads, or a value of the wrong
+    type, out of its range or not among its names: at the top level, in text_encoder, ae, the predictor
+    (FLUX's, or what mm-grpo reads of a wandit one: its model_id picks the family) or a reward entry."""
+    read_block(ModelFile, model_cfg, source, known=MODEL_KEYS)
+    predictor = model_cfg.get("predictor", {})
+    family = FAMILIES[read_block(PredictorFamily, predictor, f"{source} predictor", known=predictor).model_id]
+    family.predictor(predictor, f"{source} predictor")
+    for name, schema in (("text_encoder", family.text_encoder), ("ae", family.ae)):
         if name in model_cfg:
-            check_keys(model_cfg[name], known, f"{source} {name}")
-    predictor = model_cfg.get("predictor")
-    if isinstance(predictor, dict) and predictor.get("model_id") in FLUX_MODEL_IDS:
-        check_keys(predictor, FLUX_PREDICTOR_KEYS, f"{source} predictor")
+            read_block(schema, model_cfg[name], f"{source} {name}")
     rewards = model_cfg.get("reward", [])
     if not isinstance(rewards, list):
         raise ValueError(f"{source} reward must be a list of reward entries, got {type(rewards).__name__}")
@@ -95,21 +130,23 @@ def check_model_config(model_cfg, source=MODEL_FLAG):
 
 
 def check_data_config(data_cfg, source, dataset_keys=GRPO_DATASET_KEYS):
-    """One line for a key of data.json (`source`: its file) that nothing reads: at the top level, in
-    dataloader_param, or in dataset_param (`dataset_keys`: what the trainer reads there)."""
-    check_keys(data_cfg, DATA_KEYS, source)
-    for name, known in (("dataset_param", dataset_keys), ("dataloader_param", DATALOADER_KEYS)):
-        if name in data_cfg:
-            check_keys(data_cfg[name], known, f"{source} {name}")
+    """One line for a key of data.json (`source`: its file) that nothing reads, or a value of the wrong
+    type or range: at the top level, in dataloader_param, or in dataset_param (`dataset_keys`: what the
+    trainer reads there)."""
+    read_block(DataFile, data_cfg, source, known=DATA_KEYS)
+    if "dataset_param" in data_cfg:
+        read_block(DatasetParam, data_cfg["dataset_param"], f"{source} dataset_param", known=dataset_keys)
+    if "dataloader_param" in data_cfg:
+        read_block(DataloaderParam, data_cfg["dataloader_param"], f"{source} dataloader_param")
 
 
 def prompt_streams(data_config, source, seed):
     params = block(data_config, "dataset_param", source)
-    loader = data_config.get("dataloader_param", {})
+    loader = read_block(DataloaderParam, data_config.get("dataloader_param", {}), f"{source} dataloader_param")
     if "prompt_file" not in params:
         raise ValueError(f"{source}: dataset_param needs 'prompt_file'")
-    train = PromptStream(read_prompts(params["prompt_file"]), seed=loader.get("seed", seed),
-                         shuffle=loader.get("shuffle", True))
+    train = PromptStream(read_prompts(params["prompt_file"]), seed=seed if loader.seed is None else loader.seed,
+                         shuffle=loader.shuffle)
     eval_prompts = read_prompts(params["eval_prompt_file"]) if params.get("eval_prompt_file") else None
     return train, eval_prompts
 

@@ -12,6 +12,7 @@ import torch
 from mm_grpo.grpo.denoiser import Denoiser
 from mm_grpo.rollout import rollout
 from mm_grpo.seeding import Stream, seeded_generator
+from mm_grpo.settings import Count, NonNegative, read_block
 from mm_grpo.training import intervals
 
 PREFIX = "eval/"  # of every stat's key
@@ -147,16 +148,20 @@ class Evaluator:
         return result
 
 
+@dataclasses.dataclass(frozen=True)
+class HeldOutParam:
+    """What a held-out evaluation reads of data.json's dataset_param (both trainers'). grpo_flux.sh gives
+    the numbers as "$EVAL_SAMPLES" and "$EVAL_SEED": a whole variable's text is read as the number."""
+    eval_prompt_file: Optional[str] = None  # "" (an empty variable): no evaluation
+    eval_samples_per_prompt: Count = 1
+    eval_seed: NonNegative = 0
+
+
 def eval_settings(dataset_param: dict, source: str = "--mm-data") -> Tuple[int, int]:
-    """(eval_samples_per_prompt, eval_seed) of data.json's dataset_param (defaults 1 and 0), checked.
-    A "$VARIABLE" there arrives as a string (grpo_flux.sh's EVAL_SAMPLES, EVAL_SEED): read as a number."""
-    def whole(key, default, minimum):
-        value = dataset_param.get(key, default)
-        text = str(value).strip()
-        if isinstance(value, bool) or not text.lstrip("-").isdigit() or int(text) < minimum:
-            raise ValueError(f"{source}: dataset_param {key} must be a whole number >= {minimum}, got {value!r}")
-        return int(text)
-    return whole("eval_samples_per_prompt", 1, 1), whole("eval_seed", 0, 0)
+    """(eval_samples_per_prompt, eval_seed) of data.json's dataset_param (HeldOutParam), checked; its
+    other keys are the trainer's."""
+    held_out = read_block(HeldOutParam, dataset_param, f"{source} dataset_param", known=dataset_param)
+    return held_out.eval_samples_per_prompt, held_out.eval_seed
 
 
 def held_out_evaluator(prompts: List[str], schedule, dataset_param: dict, device=None) -> Evaluator:

@@ -15,24 +15,86 @@ the block may name the attention heads and their width MindSpeed-MM's way (`num_
 `head_dim`) or diffusers' way (`num_attention_heads`, `attention_head_dim`); named both ways,
 they must agree. MindSpeed-MM's scripts need MindSpeed-MM's names (`mindspeed_mm_block_error`).
 """
+import dataclasses
 import os
+from typing import Annotated, List, Literal, Optional, Union
+
+from pydantic import Field
 
 from mm_grpo.checkpoint.paths import is_megatron_checkpoint, iteration_dir
+from mm_grpo.configs import AeBlock, ModelBlocks, TextEncoderBlock
 from mm_grpo.families.flux.checkpoint.metadata import CheckpointMeta
+from mm_grpo.families.flux.text import MAX_SEQUENCE_LENGTH
 from mm_grpo.families.flux.transformer.config import DIFFUSERS_FIELDS, FluxConfig
 from mm_grpo.families.flux.transformer.hf_weights import transformer_dir
-from mm_grpo.settings import check_keys
+from mm_grpo.settings import Count, Finite, NonNegative, read_block
 
+MODEL_ID = "flux"  # the predictor's model_id (mm_grpo/mindspeed_mm/registry.py registers it)
+# The names model.json's other blocks may give FLUX's parts: the shipped configs' (MindSpeed-MM's FLUX
+# DanceGRPO), and MindSpeed-MM's own for FLUX's VAE (its AE_MODEL_MAPPINGS); mm-grpo reads neither.
+AE_MODEL_IDS = ("autoencoder_kl", "flux_vae")
+TEXT_ENCODER_MODEL_IDS = ("flux_text_encoders",)
 _RUNTIME = ("recompute_blocks", "compile_blocks", "bf16")  # options of a run, not of the weights
-_STAGE = ("pre_process", "post_process", "global_layer_idx")  # PredictModel's, per pipeline stage
-_BLOCK = ("model_id", "from_pretrained", "dtype", "pipeline_num_layers")
-# Read by the SoRAModel interface only (names as MindSpeed-MM's wandit block has them).
-_SORA = ("text_len", "guidance_scale")
 # MindSpeed-MM's name -> diffusers' (see the module docstring).
 MINDSPEED_MM_NAMES = {"num_heads": "num_attention_heads", "head_dim": "attention_head_dim"}
-KNOWN_KEYS = (*DIFFUSERS_FIELDS, *MINDSPEED_MM_NAMES, *_RUNTIME, *_STAGE, *_BLOCK, *_SORA)
 _DTYPES = {"fp32": False, "float32": False, "bf16": True, "bfloat16": True}  # -> bf16 compute
 BLOCK_NAME = "the flux predictor block"  # in errors, where the file is not known
+PipelineLayers = Annotated[Union[List[NonNegative], List[List[NonNegative]]], Field(
+    description="the blocks of each pipeline stage: a list of whole numbers, or one such list per virtual stage")]
+
+
+@dataclasses.dataclass(frozen=True)
+class PredictorBlock:
+    """What a flux predictor block holds besides FLUX's architecture (FluxConfig's DIFFUSERS_FIELDS)."""
+    model_id: Optional[Literal[MODEL_ID]] = None
+    from_pretrained: Optional[str] = None
+    dtype: Optional[str] = None  # one of _DTYPES (`_bf16`)
+    pipeline_num_layers: Optional[PipelineLayers] = None
+    num_heads: Optional[Count] = None  # MINDSPEED_MM_NAMES
+    head_dim: Optional[Count] = None
+    recompute_blocks: bool = False  # _RUNTIME
+    compile_blocks: bool = False
+    bf16: bool = False
+    pre_process: bool = True  # PredictModel's, per pipeline stage
+    post_process: bool = True
+    global_layer_idx: Optional[List[NonNegative]] = None
+    text_len: Optional[Count] = None  # read by the SoRAModel interface only (names as wandit's block has them)
+    guidance_scale: Optional[Finite] = None
+
+
+KNOWN_KEYS = (*DIFFUSERS_FIELDS, *(f.name for f in dataclasses.fields(PredictorBlock)))
+
+
+@dataclasses.dataclass(frozen=True)
+class FluxTextEncoderBlock(TextEncoderBlock):
+    model_id: Optional[Literal[TEXT_ENCODER_MODEL_IDS]] = None
+    max_sequence_length: Optional[Annotated[int, Field(ge=1, le=MAX_SEQUENCE_LENGTH)]] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class FluxAeBlock(AeBlock):
+    model_id: Optional[Literal[AE_MODEL_IDS]] = None
+
+
+def check_block(block: dict, where: str = BLOCK_NAME) -> dict:
+    """The flux predictor block `block` (`where`: its file and block, in errors) checked without reading
+    any file: its keys, every value's type and range (PredictorBlock's, FluxConfig's), MindSpeed-MM's and
+    diffusers' names for the heads agreeing; returns its architecture under diffusers' names."""
+    own = read_block(PredictorBlock, block, where, known=KNOWN_KEYS)
+    arch = {k: block[k] for k in DIFFUSERS_FIELDS if k in block}
+    for ours, theirs in MINDSPEED_MM_NAMES.items():
+        if getattr(own, ours) is not None:
+            if arch.setdefault(theirs, block[ours]) != block[ours]:
+                raise ValueError(f"{where}: {ours} = {block[ours]} and {theirs} = {block[theirs]} are MindSpeed-MM's "
+                                 "and diffusers' names for the same number; give one, or equal values")
+    if arch:
+        read_block(FluxConfig, arch, where)
+    if own.dtype is not None:
+        _bf16(own.dtype)
+    return arch
+
+
+MODEL_BLOCKS = ModelBlocks(FluxTextEncoderBlock, FluxAeBlock, check_block)
 
 
 def _flat(layers):
@@ -68,21 +130,15 @@ def _bf16(dtype) -> bool:
 
 
 def flux_config_from_block(block: dict, staged: bool = False) -> FluxConfig:
-    """The FLUX architecture (and runtime options) of a `predictor` block: the hyperparameters
-    inline (diffusers' config.json names), else the config.json of a diffusers or converted
-    `from_pretrained` folder. `staged`: the block carries a pipeline stage's arguments."""
-    check_keys(block, KNOWN_KEYS, BLOCK_NAME)
+    """The FLUX architecture (and runtime options) of a `predictor` block (checked: `check_block`): the
+    hyperparameters inline (diffusers' config.json names), else the config.json of a diffusers or
+    converted `from_pretrained` folder. `staged`: the block carries a pipeline stage's arguments."""
+    arch = check_block(block)
     runtime = {k: block[k] for k in _RUNTIME if k in block}
     if block.get("dtype") is not None:
         runtime["bf16"] = runtime.get("bf16", False) or _bf16(block["dtype"])
-    arch = {k: block[k] for k in DIFFUSERS_FIELDS if k in block}
-    for ours, theirs in MINDSPEED_MM_NAMES.items():
-        if ours in block:
-            if arch.setdefault(theirs, block[ours]) != block[ours]:
-                raise ValueError(f"predictor block: {ours} = {block[ours]} and {theirs} = {block[theirs]} are "
-                                 f"MindSpeed-MM's and diffusers' names for the same number; give one, or equal values")
     if arch:
-        return FluxConfig(**dict(arch, num_layers=_double_blocks(block, staged)), **runtime)
+        return read_block(FluxConfig, dict(arch, num_layers=_double_blocks(block, staged), **runtime), BLOCK_NAME)
     path = block.get("from_pretrained")
     if path and os.path.isdir(path):
         if is_megatron_checkpoint(path):  # converted by mm-convert: the config is in its shards

@@ -23,20 +23,21 @@ import dataclasses
 import json
 import math
 import os
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Literal, Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.utils import get_attr_wrapped_model
 
-from mm_grpo.configs import MODEL_FLAG, block, configured_size
-from mm_grpo.families.wan.encoders import (TIMESTEP_SCALE, WAN_NEGATIVE_PROMPT, WANDIT_MICRO_BATCH_REASON,
-                                           WANDIT_TP_REASON, UMT5Conditioner, WanVaeDecoder, video_latent_shape,
-                                           video_token_grid)
+from mm_grpo.configs import (MODEL_FLAG, MODEL_KEYS, AeBlock, ModelBlocks, ModelFile, TextEncoderBlock, block,
+                             configured_size)
+from mm_grpo.families.wan.encoders import (TIMESTEP_SCALE, WAN_LATENT_CHANNELS, WAN_NEGATIVE_PROMPT,
+                                           WANDIT_MICRO_BATCH_REASON, WANDIT_TP_REASON, UMT5Conditioner, WanVaeDecoder,
+                                           video_latent_shape, video_token_grid)
 from mm_grpo.grpo.denoiser import Denoiser
 from mm_grpo.parallel.grad_scale import scale_grad
 from mm_grpo.parallel.state import is_last_stage, tensor_from_last_stage
-from mm_grpo.settings import setting
+from mm_grpo.settings import Count, read_block, setting
 
 MODEL_ID = "wandit"
 DEFAULT_NUM_FRAMES = 81  # Wan2.1's 5 s at 16 fps
@@ -46,6 +47,40 @@ DEFAULT_TEXT_LEN = 512  # Wan2.1's umT5 sequence length
 STAGE_OUTPUTS = (0, 2, 3, 4)
 NUM_MODULATIONS = 6  # time_emb: the blocks' shift / scale / gate of attention and feed-forward
 MULTI_TENSOR_FLAG = "--use-multiparameter-pipeline-model-parallel"
+DEFAULT_MAX_SEQ_LEN = 1024  # WanDiT's max_seq_len default: the positions its RoPE table holds along each axis
+# MindSpeed-MM's names for Wan's text encoder and VAE (its Wan2.1 configs'); mm-grpo reads neither.
+TEXT_ENCODER_MODEL_IDS = ("UMT5",)
+AE_MODEL_IDS = ("wan_video_vae",)
+
+
+@dataclasses.dataclass(frozen=True)
+class WanPredictorBlock:
+    """What mm-grpo reads of a wandit predictor block: MindSpeed-MM's WanDiT takes the whole block as its
+    arguments and reads the rest."""
+    model_id: Literal[MODEL_ID] = MODEL_ID
+    in_dim: Count = WAN_LATENT_CHANNELS
+    hidden_size: Optional[Count] = None
+    text_len: Count = DEFAULT_TEXT_LEN
+    num_layers: Optional[Count] = None
+    pipeline_num_layers: Optional[List[Count]] = None
+    max_seq_len: Count = DEFAULT_MAX_SEQ_LEN
+
+
+@dataclasses.dataclass(frozen=True)
+class WanTextEncoderBlock(TextEncoderBlock):
+    model_id: Optional[Literal[TEXT_ENCODER_MODEL_IDS]] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class WanAeBlock(AeBlock):
+    model_id: Optional[Literal[AE_MODEL_IDS]] = None
+
+
+def check_predictor_block(predictor: dict, where: str) -> WanPredictorBlock:
+    return read_block(WanPredictorBlock, predictor, where, known=predictor)
+
+
+MODEL_BLOCKS = ModelBlocks(WanTextEncoderBlock, WanAeBlock, check_predictor_block)
 
 
 def is_wan(model_cfg: dict) -> bool:
@@ -53,10 +88,17 @@ def is_wan(model_cfg: dict) -> bool:
 
 
 def video_size(model_cfg: dict) -> Tuple[int, int, int]:
-    """(frames, height, width) of model.json (`num_frames`, `image_size`), checked against the VAE."""
+    """(frames, height, width) of model.json (`num_frames`, `image_size`), checked against the VAE and
+    the positions of the predictor's RoPE table (`max_seq_len` along each of frames, rows and columns)."""
+    model = read_block(ModelFile, model_cfg, MODEL_FLAG, known=MODEL_KEYS)
     height, width = configured_size(model_cfg)
-    frames = int(model_cfg.get("num_frames", DEFAULT_NUM_FRAMES))
-    video_latent_shape(frames, height, width)
+    frames = model.num_frames or DEFAULT_NUM_FRAMES
+    grid = video_token_grid(video_latent_shape(frames, height, width)[1:])
+    positions = check_predictor_block(model_cfg.get("predictor", {}), f"{MODEL_FLAG} predictor").max_seq_len
+    if max(grid) > positions:
+        raise ValueError(f"{frames} frames at {height}x{width}: {' x '.join(map(str, grid))} tokens (frames x rows x "
+                         f"columns), more along an axis than the predictor's max_seq_len {positions}, the positions "
+                         "of wandit's RoPE table")
     return frames, height, width
 
 
@@ -243,7 +285,8 @@ def parts(model_cfg, settings, policy, device, dtype, guidance: WanGuidance):
     ae = block(model_cfg, "ae", MODEL_FLAG)
     vae = WanVaeDecoder(block(ae, "from_pretrained", "ae"), device=device, dtype=dtype)
     frames, height, width = video_size(model_cfg)
-    shape = video_latent_shape(frames, height, width, model_cfg["predictor"].get("in_dim", 16))
+    channels = check_predictor_block(block(model_cfg, "predictor", MODEL_FLAG), f"{MODEL_FLAG} predictor").in_dim
+    shape = video_latent_shape(frames, height, width, channels)
     negative = encoder.encode([guidance.negative_prompt]) if guidance.cfg_scale != 1 else None
     denoiser = WanDenoiser(shape, guidance.cfg_scale, negative)
     return encoder.encode, (lambda latents, height, width: vae(latents)), denoiser

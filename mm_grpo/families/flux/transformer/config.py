@@ -1,9 +1,12 @@
 """FLUX transformer configuration: plain data, with presets and diffusers interop."""
 import dataclasses
 import os
-from typing import Optional, Tuple
+from typing import Annotated, Optional, Tuple
+
+from pydantic import Field
 
 from mm_grpo.files.jsonfile import load_json
+from mm_grpo.settings import Count, NonNegative, read_block
 
 FLUX_DEV_GUIDANCE = 3.5  # FLUX.1-dev's guidance embedding value (diffusers' FluxPipeline default guidance_scale)
 
@@ -17,18 +20,21 @@ DIFFUSERS_FIELDS = (
 
 @dataclasses.dataclass(frozen=True)
 class FluxConfig:
+    """FLUX's architecture and run-time options; the types (with their bounds) are what a config.json or
+    a predictor block may hold (`from_diffusers_config`, mm_grpo/settings.py `read_block`)."""
     # Architecture (diffusers' names and meanings).
-    patch_size: int = 1
-    in_channels: int = 64
-    out_channels: Optional[int] = None
-    num_layers: int = 19  # double-stream blocks
-    num_single_layers: int = 38
-    attention_head_dim: int = 128
-    num_attention_heads: int = 24
-    joint_attention_dim: int = 4096
-    pooled_projection_dim: int = 768
+    patch_size: Count = 1
+    in_channels: Count = 64
+    out_channels: Optional[Count] = None
+    num_layers: NonNegative = 19  # double-stream blocks
+    num_single_layers: NonNegative = 38
+    attention_head_dim: Count = 128
+    num_attention_heads: Count = 24
+    joint_attention_dim: Count = 4096
+    pooled_projection_dim: Count = 768
     guidance_embeds: bool = True
-    axes_dims_rope: Tuple[int, int, int] = (16, 56, 56)
+    axes_dims_rope: Annotated[Tuple[NonNegative, NonNegative, NonNegative], Field(
+        description="a list of three even whole numbers summing to attention_head_dim")] = (16, 56, 56)
     # Fixed by FLUX.1; kept here so the numbers are not scattered through the code.
     mlp_ratio: float = 4.0
     rope_theta: int = 10000
@@ -75,17 +81,21 @@ class FluxConfig:
 
     @classmethod
     def from_diffusers_config(cls, config, **runtime) -> "FluxConfig":
-        """From a diffusers config dict, a `config.json` path, or a transformer folder."""
+        """From a diffusers config dict, a `config.json` path, or a transformer folder; a value of the
+        wrong type or out of its range is one line naming the file and the key."""
+        where = "FLUX config"
         if isinstance(config, (str, os.PathLike)):
-            path = os.path.join(config, "config.json") if os.path.isdir(config) else config
-            config = load_json(path, "diffusers config.json")
+            where = os.path.join(config, "config.json") if os.path.isdir(config) else str(config)
+            config = load_json(where, "diffusers config.json")
+            if not isinstance(config, dict):
+                raise ValueError(f"{where} must hold a JSON object, got {type(config).__name__}")
         elif not isinstance(config, dict) or set(config) - set(DIFFUSERS_FIELDS):
             # written by hand (model.json's predictor.config): a misspelt field must not fall back
             # to FLUX.1-dev's value silently. A config.json may hold more (diffusers adds fields).
             unknown = sorted(set(config) - set(DIFFUSERS_FIELDS)) if isinstance(config, dict) else config
             raise ValueError(f"unknown FLUX config field(s) {unknown}; known: {', '.join(DIFFUSERS_FIELDS)}")
         arch = {k: config[k] for k in DIFFUSERS_FIELDS if k in config}
-        return cls(**arch, **runtime)
+        return read_block(cls, {**arch, **runtime}, where)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "FluxConfig":
