@@ -69,6 +69,12 @@ def get_then_post(get_reply: bytes, post_answer):
     return answer
 
 
+def health_then(score_answer):
+    """An `answer` for raw_server: GET /health as mm-grpo's reward server answers it, each POST
+    `score_answer(server, conn)`."""
+    return get_then_post(json_reply({"status": "ok", "rewards": {"r": 1.0}}), score_answer)
+
+
 @contextlib.contextmanager
 def raw_server(answer):
     """Serve on localhost: `answer(server, conn)` handles each connection in a thread of its own.

@@ -6,6 +6,8 @@ import io
 import json
 import os
 import pickle
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -23,6 +25,8 @@ from tests.hostile_http import get_then_post, json_reply, raw_server, reply_byte
 
 TRICKLE_S = 0.25  # one byte every quarter second keeps every socket read alive
 BOUND_S = 3.0  # a `timeout: 1` try answers well within this, even on a loaded machine
+CHILD_TIMEOUT_S = 120  # a child that imports torch and reads five replies: ~10 s on the loaded machine
+READ_BOUND_S = 10.0  # the slowest reply at the cap reads in ~1 s
 MiB = 1 << 20
 
 
@@ -136,6 +140,20 @@ class _NumpyCall:
 
 RECONSTRUCT = np.ndarray.__reduce__(np.zeros(1))[0]
 TERABYTES_9 = (9 << 40) // 8
+HUGE_INT = 10 ** 5000  # str() of it raises: more than Python's 4300 digits
+
+
+def _nested(depth):
+    value = 0.5
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _holding_itself():
+    outputs = [0.5]
+    outputs.append(outputs)
+    return outputs
 
 
 @pytest.mark.parametrize("outputs, problem", [
@@ -156,8 +174,17 @@ TERABYTES_9 = (9 << 40) // 8
     ([[0.5], [1.0]], "its 'outputs'[0] is a list ([0.5]), not a number"),
     ([0.5, 10 ** 400], "its 'outputs'[1] is an integer of 1329 bits, past any float"),
     ({1, 2}, "its 'outputs' is a set ({1, 2}), not a list of 2 numbers"),
+    (_NumpyCall(RECONSTRUCT, (np.ndarray, (0,), b"b"), (1, (HUGE_INT,), np.dtype("f8"), False, b"")),
+     f"it holds a numpy array of shape (<an integer of {HUGE_INT.bit_length()} bits>,), not at most 32 sizes "
+     "of an axis"),
+    ([np.array(0.5), np.array(0.25)],
+     "it holds a numpy array of no dimension, where a reply holds lists or numpy scalars"),
+    ([0.5, {(1, 2): 0.5}], "it has a container as a dict key or set member, where a reply has strings and numbers"),
+    ([0.5, _nested(40)], "it nests containers more than 32 deep"),
+    (_holding_itself(), "it puts a container inside itself, or fills one already inside another"),
 ], ids=["ndarray_9TiB", "ndarray_2e7", "reconstruct_9TiB", "short_bytes", "str_array", "object_array", "str",
-        "too_few", "too_many", "bool", "bool_array", "str_element", "nested", "huge_int", "set"])
+        "too_few", "too_many", "bool", "bool_array", "str_element", "nested", "huge_int", "set", "huge_shape",
+        "zero_dim_arrays", "tuple_key", "nested_40_deep", "holding_itself"])
 def test_a_reply_that_is_not_scores_is_refused_in_one_line_before_anything_is_allocated(outputs, problem):
     images, prompts = shapes_batch(2)
     process = psutil.Process()
@@ -187,6 +214,84 @@ def test_loading_a_reply_within_the_size_cap_takes_bounded_memory():
     assert len(flow_grpo_servers.load_reply(bomb)) == flow_grpo_servers.MAX_REPLY_BYTES - 4
     grown = process.memory_info().rss - before
     assert grown < 400 * flow_grpo_servers.MAX_REPLY_BYTES  # ~230 bytes built per byte (measured), with a margin
+
+
+@pytest.mark.parametrize("reply, problem", [
+    ({HUGE_INT: 0.5}, f"it has no 'outputs' (its keys: <an integer of {HUGE_INT.bit_length()} bits>)"),
+    ([0.5, 0.25], "it is a list ([0.5, 0.25]), not a dict holding 'outputs'")], ids=["huge_int_key", "list"])
+def test_a_reply_without_its_scores_is_named_in_one_line(reply, problem):
+    images, prompts = shapes_batch(2)
+    with serve_app(_flow_grpo_stub(lambda b: reply, [])) as url:
+        with pytest.raises(RemoteRefused) as refused:
+            build_reward({"name": "deqa_server", "url": url})(images, prompts)
+    assert str(refused.value) == f"reward 'deqa_server': {url} sent a reply that is not 2 scores: {problem}"
+
+
+# Replies that took the trainer's process down: each read in a child process, so that a regression
+# fails this test (a segfault, a stall, or memory past the child's limit) rather than pytest.
+HOSTILE_REPLIES = r"""
+import pickle, resource, sys
+import numpy as np
+from mm_grpo.rewards import flow_grpo_servers
+
+def deep_tuple(depth):  # (((...),),): one opcode a level, built by pickle without recursion
+    return b")" + b"\x85" * depth
+
+def doubling_tuple(levels):  # t = (t, t) each level: hashing it visits 2 ** levels leaves
+    return b")" + b"".join(b"\x94h" + bytes([level]) + b"\x86" for level in range(levels))
+
+SCORES = b"\x8c\x07outputs(G?\xe0\x00\x00\x00\x00\x00\x00G?\xd0\x00\x00\x00\x00\x00\x00l"
+replies = {
+    "tuple_key_250000": b"\x80\x04}" + deep_tuple(250_000) + b"K\x01s.",
+    "tuple_key_100000": b"\x80\x04}" + deep_tuple(100_000) + b"K\x01s.",
+    "tuple_value_250000": b"\x80\x04}(" + SCORES + b"\x8c\x01x" + deep_tuple(250_000) + b"u.",
+    "doubling_tuple_key": b"\x80\x04}(" + SCORES + doubling_tuple(31) + b"K\x01u.",
+    "zeros_65536_65536_0": pickle.dumps({"outputs": np.zeros((65536, 65536, 0))}),
+}
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[1]), hard))
+for name, data in replies.items():
+    try:
+        print(name, "loaded", type(flow_grpo_servers.load_reply(data)).__name__, flush=True)
+    except pickle.UnpicklingError as e:
+        print(name, e, flush=True)
+"""
+
+
+def test_replies_that_crashed_or_stalled_the_process_are_refused_before_anything_is_built():
+    """Before: a segfault (hashing the 250,000-deep key), a RecursionError traceback (100,000 deep),
+    a stall (hashing a 31-level doubling key visits 2 ** 31 tuples), and 4.3e9 lists built."""
+    limit = psutil.Process().memory_info().vms + (2 << 30)  # what this process maps, as the child will, and 2 GiB
+    child = subprocess.run([sys.executable, "-c", HOSTILE_REPLIES, str(limit)], capture_output=True, text=True,
+                           timeout=CHILD_TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert (child.returncode, child.stdout.splitlines()) == (0, [
+        "tuple_key_250000 it nests containers more than 32 deep",
+        "tuple_key_100000 it nests containers more than 32 deep",
+        "tuple_value_250000 it nests containers more than 32 deep",
+        "doubling_tuple_key it has a container as a dict key or set member, where a reply has strings and numbers",
+        "zeros_65536_65536_0 it holds a numpy array of shape (65536, 65536, 0), which is 4295032832 nested lists, "
+        "more than 65536"]), child.stderr[-2000:]
+
+
+def test_a_reply_cannot_change_the_clients_own_functions():
+    """BUILD on a global the client loads (numpy's `_frombuffer`): before, the state set its
+    __defaults__ for every later reply of the process."""
+    reply = (b"\x80\x02}(X\x07\x00\x00\x00outputs]q\x02(G?\xe0\x00\x00\x00\x00\x00\x00G?\xe0\x00\x00\x00"
+             b"\x00\x00\x00eX\x01\x00\x00\x00xcnumpy._core.numeric\n_frombuffer\n"
+             b"N}X\x0c\x00\x00\x00__defaults__X\x01\x00\x00\x00F\x85s\x86bu.")
+    with pytest.raises(pickle.UnpicklingError) as refused:
+        flow_grpo_servers.load_reply(reply)
+    assert str(refused.value) == "it applies pickle's BUILD to what is not a container or numpy value"
+    assert flow_grpo_servers._frombuffer.__defaults__ == ("C",)
+
+
+def test_reading_a_reply_at_the_size_cap_takes_bounded_time():
+    """The opcodes that cost the structure's first read most (an empty list appended, 2 bytes each,
+    up to the cap): ~1 s measured on the loaded 2-core machine."""
+    costliest = b"\x80\x04]" + b"]a" * ((flow_grpo_servers.MAX_REPLY_BYTES - 4) // 2) + b"."
+    start = time.monotonic()
+    assert len(flow_grpo_servers.load_reply(costliest)) == (flow_grpo_servers.MAX_REPLY_BYTES - 4) // 2
+    assert time.monotonic() - start < READ_BOUND_S
 
 
 def test_an_unreachable_flow_grpo_server_is_one_line():
@@ -259,6 +364,19 @@ def test_vlm_judge_images_are_512_png_data_urls_and_the_question_can_be_replaced
                                          ("Final Score: 1.25 then Final Score: 5", 0.25), ("", None)])
 def test_score_parsing_follows_flow_grpos_pattern(text, score):
     assert parse_score(text) == (pytest.approx(score) if score is not None else None)
+
+
+def test_an_api_key_ending_in_a_newline_is_one_line_before_any_request(monkeypatch):
+    """Before: the judge was built, then every chat request failed in transport (requests refuses
+    the header), each iteration skipped with a line quoting the key."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test\n")
+    with raw_server(_chat_raw(lambda server, conn, prompt: conn.sendall(_completion("Final Score: 4")))) as server:
+        with pytest.raises(ValueError) as refused:
+            build_reward({"name": "vlm_judge", "url": server.url + "/v1", "model": "m"})
+        assert server.requests == []
+    assert str(refused.value) == ("reward 'vlm_judge': $OPENAI_API_KEY holds '\\n' at character 8 of 8: a bearer "
+                                  "token is visible ASCII only, no space or line end (set it without the file's "
+                                  "newline)")
 
 
 def test_vlm_judge_config_errors_are_one_line(tmp_path):

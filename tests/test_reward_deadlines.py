@@ -11,17 +11,12 @@ import torch
 from bench.bench_reward_server import shapes_batch
 from mm_grpo.rewards import build_reward, wire
 from mm_grpo.rewards.remote import MAX_REPLY_BYTES, Endpoint, RemoteRefused, RemoteUnavailable
-from tests.hostile_http import get_then_post, json_reply, raw_server, reply_bytes
+from tests.hostile_http import health_then, json_reply, raw_server, reply_bytes
 
 TRICKLE_S = 0.25  # the attack: one byte every quarter second keeps every socket read alive
 BOUND_S = 3.0  # a `timeout: 1` try answers well within this, even on a loaded machine
 HUGE_REPLY = 100 << 20
 MiB = 1 << 20
-
-
-def health_then(score_answer):
-    """A server that answers GET /health as mm-grpo's server does and each POST with `score_answer`."""
-    return get_then_post(json_reply({"status": "ok", "rewards": {"r": 1.0}}), score_answer)
 
 
 def trickle(conn, data, stop):

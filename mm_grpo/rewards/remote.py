@@ -10,13 +10,16 @@ to `retries` times, and when every try fails the batch scores NaN with one warni
 iteration is skipped (no optimizer step), and --max-skipped-iterations such iterations in a
 row stop the run. An answer the server will repeat (4xx, a redirect) or a reply that is not a
 valid reply (not JSON, the wrong number of scores) stops the run at once: trying again would
-not help.
+not help. A reply is read as data, its fault named in one line whatever it holds: integers of
+at most MAX_INT_DIGITS, scores that are numbers (not booleans) a float holds; a non-finite one,
+or one past float32, is NaN as a null is. A bearer token is checked before any request.
 """
 import concurrent.futures
 import json
 import logging
 import math
 import os
+import re
 import socket
 import sys
 import threading
@@ -34,6 +37,10 @@ MAX_BACKOFF_S = 8.0
 MAX_REPLY_BYTES = 8 << 20  # a JSON reply: scores of thousands of images fit in well under 1 MiB
 READ_CHUNK_BYTES = 64 << 10
 ERROR_TEXT_BYTES = 64 << 10  # read of a refusal's or failure's body: its first line is all that is shown
+ERROR_TEXT_CHARS = 200  # of that line
+# json reads an integer of at most Python's default digits, whatever sys.set_int_max_str_digits says:
+# int() of text is quadratic in its length, and no score has more than a float's 309 digits.
+MAX_INT_DIGITS = sys.int_info.default_max_str_digits
 # Errors of the transport below the reply's data: each one fails the try, which is tried again.
 TRANSPORT_ERRORS = (requests.RequestException, urllib3.exceptions.HTTPError, OSError)
 
@@ -65,11 +72,35 @@ class Reply:
         return self.content.decode("utf-8", errors="replace")
 
     def json(self):
-        """The reply parsed as JSON; ValueError when it is not JSON."""
+        """The reply parsed as JSON; ValueError (one line) when it is not JSON, or holds an
+        integer of more than MAX_INT_DIGITS."""
         try:
-            return json.loads(self.content)
+            return json.loads(self.content, parse_int=_json_int)
         except RecursionError:  # json's parser recurses once per nested bracket
             raise ValueError("the reply nests too deeply to be JSON scores") from None
+
+
+def _json_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise ValueError(f"the reply holds an integer of {digits} digits, more than the {MAX_INT_DIGITS} "
+                         "this reward reads")
+    return int(text)
+
+
+def bearer_header(reward_name: str, variable: str, default: str = "") -> dict:
+    """{"Authorization": "Bearer <$variable, else default>"}, {} when both are empty; ValueError
+    naming the variable for a token that is not visible ASCII (a newline from a file, a space):
+    every request would fail in transport, or the server would strip it and refuse it."""
+    token = os.environ.get(variable) or default
+    if not token:
+        return {}
+    bad = wire.NOT_A_TOKEN.search(token)
+    if bad:  # its character and place only: the token is a secret
+        raise ValueError(f"reward {reward_name!r}: ${variable} holds {bad.group()!r} at character "
+                         f"{bad.start() + 1} of {len(token)}: a bearer token is visible ASCII only, no "
+                         "space or line end (set it without the file's newline)")
+    return {"Authorization": f"Bearer {token}"}
 
 
 # --- one try: a deadline, and a watchdog that shuts its connections' sockets there ----------
@@ -278,7 +309,7 @@ class Endpoint:
         scores = 200 <= response.status_code < 300
         cap = self.max_reply_bytes if scores else ERROR_TEXT_BYTES
         declared = response.headers.get("Content-Length", "")
-        if scores and declared.isdigit() and int(declared) > cap:
+        if scores and declared.isascii() and declared.isdigit() and int(declared) > cap:
             raise TryFailed(f"the reply would be {int(declared)} bytes, more than the {cap} this reward reads")
         body = bytearray()
         for chunk in response.raw.stream(READ_CHUNK_BYTES, decode_content=False):
@@ -320,10 +351,11 @@ def _error_text(reply: Reply) -> str:
         body = reply.json()
     except ValueError:
         body = None
+    text = reply.text
     if isinstance(body, dict) and "error" in body:
-        return str(body["error"])[:200]
-    text = reply.text.strip()
-    return text.splitlines()[0][:200] if text else ""
+        text = body["error"] if isinstance(body["error"], str) else wire.brief(body["error"])
+    lines = text.strip().splitlines()
+    return lines[0][:ERROR_TEXT_CHARS] if lines else ""
 
 
 class RemoteScored(Reward):
@@ -355,9 +387,8 @@ class RemoteReward(RemoteScored):
 
     def __init__(self, cfg, device="cpu"):
         super().__init__(cfg, device)
-        token = os.environ.get(wire.TOKEN_ENV)
-        if token:  # the server's bearer token: it reads the same variable by default
-            self.endpoint.session.headers["Authorization"] = f"Bearer {token}"
+        # the server's bearer token: it reads the same variable by default
+        self.endpoint.session.headers.update(bearer_header(self.name, wire.TOKEN_ENV))
         health = self.endpoint.check_reachable(wire.HEALTH_PATH)
         if health is None:  # refused (a missing or wrong token: 401): asked again for its one-line reason
             self.endpoint.request("GET", wire.HEALTH_PATH)

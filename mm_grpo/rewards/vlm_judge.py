@@ -12,7 +12,6 @@ another question with `{prompt}` where the prompt goes. What it trusts: only JSO
 (at most remote.MAX_REPLY_BYTES per image), and only the score pattern is read from it.
 """
 import base64
-import os
 import re
 import sys
 
@@ -22,10 +21,12 @@ from PIL import Image
 
 from mm_grpo.rewards import wire
 from mm_grpo.rewards.base import register_reward, uint8_pixels
-from mm_grpo.rewards.remote import RemoteRefused, RemoteScored
+from mm_grpo.rewards.remote import RemoteRefused, RemoteScored, bearer_header
 
 CHAT_PATH = "/chat/completions"
 MODELS_PATH = "/models"
+API_KEY_ENV = "OPENAI_API_KEY"  # the key OpenAI-compatible servers take (vLLM --api-key), as OpenAI's clients read it
+NO_API_KEY = "EMPTY"  # what those clients send without one
 JUDGE_SIZE = (512, 512)
 SCORE_PATTERN = re.compile(r"Final Score:\s*([1-5](?:\.\d+)?)")
 MAX_SCORE = 5.0
@@ -60,8 +61,8 @@ class VLMJudge(RemoteScored):
             self.question = cfg.require_path("path", "file").read_text(encoding="utf-8")
             if "{prompt}" not in self.question:
                 raise ValueError(f"reward {self.name!r}: the question in {cfg.path} has no {{prompt}}")
+        self.headers = bearer_header(self.name, API_KEY_ENV, NO_API_KEY)
         self.endpoint.check_reachable(MODELS_PATH)
-        self.headers = {"Authorization": f"Bearer {os.environ.get('OPENAI_API_KEY', 'EMPTY')}"}
 
     def message(self, pixels, prompt) -> dict:
         image = wire.encode_image(np.asarray(Image.fromarray(pixels).resize(JUDGE_SIZE)))

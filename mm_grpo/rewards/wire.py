@@ -16,6 +16,8 @@ import binascii
 import dataclasses
 import io
 import math
+import re
+import reprlib
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -30,6 +32,7 @@ FORMATS = ("png", "jpeg")
 MAX_PIXELS = 4096 * 4096  # per image: a decompression bomb is refused before it is decoded
 MPX = 2 ** 20  # pixels in the unit of the server's pixel budgets
 TOKEN_ENV = "MM_GRPO_REWARD_TOKEN"  # the bearer token, read by the server (its default) and the `remote` reward
+NOT_A_TOKEN = re.compile(r"[^!-~]")  # a bearer token is visible ASCII: a header carries nothing else unchanged
 
 
 class BadRequest(ValueError):
@@ -159,8 +162,49 @@ def encode_response(total: torch.Tensor, terms: dict) -> dict:
 
 def decode_scores(body: object, count: int) -> torch.Tensor:
     """A /score response -> float32 [count] (null -> NaN); ValueError when it is not one."""
-    scores = body.get("scores") if isinstance(body, dict) else None
-    if not (isinstance(scores, list) and len(scores) == count
-            and all(s is None or isinstance(s, (int, float)) for s in scores)):
-        raise ValueError(f"the response holds no list of {count} scores: {str(body)[:120]}")
-    return torch.tensor([math.nan if s is None else float(s) for s in scores], dtype=torch.float32)
+    try:
+        return reply_scores(body, "scores", count, nulls=True)
+    except ValueError as e:
+        raise ValueError(f"the response holds no list of {count} scores: {e}") from None
+
+
+class _Brief(reprlib.Repr):
+    """reprlib's short repr (a few levels, a few items each, every part cut short), with an
+    integer too long to show named by its size: str() of one past 4300 digits raises."""
+
+    def repr_int(self, x, level):
+        if abs(x) >= 10 ** self.maxlong:
+            return f"<an integer of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+
+brief = _Brief().repr  # any value a reply holds, in a few dozen characters, whatever its size or depth
+
+
+def reply_scores(reply: object, key: str, count: int, nulls: bool = False) -> torch.Tensor:
+    """`reply[key]` as float32 [count]: real numbers, one per image (and None where `nulls`: NaN).
+    A non-finite score, or one float32 cannot hold, becomes NaN: the iteration is skipped.
+    ValueError (its message one line, whatever the reply holds) for anything else."""
+    if not isinstance(reply, dict):
+        raise ValueError(f"it is a {type(reply).__name__} ({brief(reply)}), not a dict holding {key!r}")
+    if key not in reply:
+        raise ValueError(f"it has no {key!r} (its keys: {', '.join(sorted(map(brief, reply))[:8]) or 'none'})")
+    values = reply[key]
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(f"its {key!r} is a {type(values).__name__} ({brief(values)}), not a list of {count} numbers")
+    if len(values) != count:
+        raise ValueError(f"its {key!r} holds {len(values)} scores for {count} images")
+    numbers = []
+    for i, value in enumerate(values):
+        if value is None and nulls:
+            numbers.append(math.nan)
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"its {key!r}[{i}] is a {type(value).__name__} ({brief(value)}), "
+                             f"not a number{' or null' if nulls else ''}")
+        try:
+            numbers.append(float(value))
+        except OverflowError:
+            raise ValueError(f"its {key!r}[{i}] is an integer of {value.bit_length()} bits, past any float") from None
+    scores = torch.tensor(numbers, dtype=torch.float32)
+    return scores.where(scores.isfinite(), math.nan)
