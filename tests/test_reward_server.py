@@ -78,6 +78,9 @@ class _Slow:
     def __init__(self):
         self.release, self.weights = threading.Event(), {"slow": 1.0}
 
+    def check_prompts(self, prompts):
+        pass
+
     def __call__(self, images, prompts):
         self.release.wait(30)
         return torch.zeros(len(prompts)), {"slow": torch.zeros(len(prompts))}
@@ -108,10 +111,13 @@ def test_a_full_queue_is_refused_and_the_scorer_thread_stops_with_the_server():
     (json.dumps({"images": [], "prompts": []}).encode(), 400, "at least one image"),
     (b"x" * 200_000, 413, "the body has 200000 bytes, more than --max-request-mb 0.143051"),
     (json.dumps({"images": [PNG_8] * 3, "prompts": ["a"] * 3}).encode(), 413,
-     "the request has 3 images, more than --max-images-per-request 2"),
+     "the request has more than 2 images or prompts: --max-images-per-request 2"),
     (json.dumps({"images": [PNG_16] * 2, "prompts": ["a"] * 2}).encode(), 413,
      "the request's 2 images of 16x16 are 0.000488281 Mpx decoded, more than --max-request-mpx 0.000305176"),
-    (b"[" * 100_000, 400, "the body is not JSON this server reads: it nests too deeply"),
+    (b'{"prompts": [' + b"9" * 5000 + b'], "images": []}', 400, "the body is not JSON of the form"),  # was a 500
+    (b'{"prompts": [[], [], []], "images": []}', 400, "the body is not JSON of the form"),
+    (b'{"prompts": ["a"], "images": ["b"], "more": ["c"]}', 400, "the body is not JSON of the form"),
+    (b"[" * 100_000, 400, 'the body is not JSON of the form {"prompts": [strings], "images": [base64 strings]}'),
 ])
 def test_malformed_or_oversized_requests_get_a_one_line_error(body, status, message):
     limits = {"max_request_mb": 150_000 / 2 ** 20, "max_images_per_request": 2, "max_request_mpx": 320 / wire.MPX}
@@ -322,7 +328,12 @@ def test_the_shipped_launch_script_serves_the_shapes_rewards(tmp_path):
 @pytest.mark.parametrize("case, message", [
     ("missing", "--rewards"), ("unknown", "unknown reward 'nope'"), ("no list", "expected a non-empty list"),
     ("port", "--port must be >= 0, got -1"), ("token", "--token-env MY_REWARD_TOKEN: $MY_REWARD_TOKEN is not set"),
-    ("budget", "--max-held-mpx 8 must be >= --max-request-mpx 16")])
+    ("budget", "--max-held-mpx 8 must be >= --max-request-mpx 16"),
+    # before: port 70000 served on 4464 (mod 2^16), nan a traceback after the models loaded, or every connection cut
+    ("port 70000", "--port must be < 65536, got 70000"), ("mb nan", "--max-request-mb must be > 0, got nan"),
+    ("timeout nan", "--read-timeout-s must be > 0, got nan"),
+    ("timeout inf", "--read-timeout-s must be a finite number, got inf"),
+    ("token newline", "$MM_GRPO_REWARD_TOKEN holds '\\n' at character 7 of 7: a bearer token is visible ASCII only")])
 def test_server_bad_input_is_one_line_before_anything_listens(tmp_path, capsys, monkeypatch, case, message):
     path = tmp_path / "rewards.json"
     if case != "missing":
@@ -331,7 +342,11 @@ def test_server_bad_input_is_one_line_before_anything_listens(tmp_path, capsys, 
     port = sock.getsockname()[1]
     sock.close()
     monkeypatch.delenv("MY_REWARD_TOKEN", raising=False)
-    flags = {"port": ["--port", "-1"], "token": ["--token-env", "MY_REWARD_TOKEN"], "budget": ["--max-held-mpx", "8"]}
+    if case == "token newline":  # a token read with its file's newline
+        monkeypatch.setenv(wire.TOKEN_ENV, "secret\n")
+    flags = {"port": ["--port", "-1"], "token": ["--token-env", "MY_REWARD_TOKEN"], "budget": ["--max-held-mpx", "8"],
+             "port 70000": ["--port", "70000"], "mb nan": ["--max-request-mb", "nan"],
+             "timeout nan": ["--read-timeout-s", "nan"], "timeout inf": ["--read-timeout-s", "inf"]}
     with pytest.raises(SystemExit) as exit_:
         main(["--rewards", str(path), "--port", str(port), *flags.get(case, [])])
     err = capsys.readouterr().err
@@ -387,3 +402,171 @@ def test_a_server_that_stops_answering_mid_run_skips_then_stops_the_run_in_one_l
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "1"
     warning = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mm-grpo: warning: reward")]
     assert len(warning) == 1 and f"{url}/score failed 1 time(s), timeout 1 s" in warning[0]
+
+
+# --- the scheduler under any interleaving ----------------------------------------------------
+class _Means:
+    """A reward scoring each image by its mean pixel, recording every batch and checking it keeps
+    the scorer's limits; fails the batches `fail_every` names (every k-th)."""
+    def __init__(self, max_batch, max_batch_pixels, fail_every=0):
+        self.max_batch, self.max_batch_pixels, self.fail_every = max_batch, max_batch_pixels, fail_every
+        self.batches, self.broken, self.weights = 0, [], {"mean": 1.0}
+
+    def __call__(self, images, prompts):
+        self.batches += 1
+        pixels = images.shape[0] * images.shape[2] * images.shape[3]
+        if len(prompts) > self.max_batch or (self.max_batch_pixels and len(prompts) > 1
+                                             and pixels > self.max_batch_pixels):
+            self.broken.append((len(prompts), tuple(images.shape)))
+        if self.fail_every and self.batches % self.fail_every == 0:
+            raise RuntimeError("the reward failed on purpose")
+        values = images.mean((1, 2, 3))
+        return values, {"mean": values}
+
+
+def _job_images(rng, side):
+    return torch.randint(0, 256, (int(rng.integers(1, 13)), 3, side, side), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(int(rng.integers(1 << 30))))
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_every_request_is_answered_under_any_interleaving(seed):
+    """Requests of mixed sizes and image shapes from 4 threads at random moments, some cancelled
+    as a client that went away cancels them, batch limits by count and by pixels, a reward that
+    sometimes fails: every request ends answered with its own scores, failed with the reward's
+    error, or cancelled, and no batch breaks a limit (the scheduler set a joined request running
+    twice and its thread died, leaving every later request waiting for ever)."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    max_batch = int(rng.integers(1, 17))
+    max_batch_pixels = None if seed % 3 == 0 else int(rng.integers(1, 17)) * 16 * 16
+    reward = _Means(max_batch, max_batch_pixels, fail_every=int(rng.integers(0, 6)))
+    scorer = BatchScorer(reward, max_batch, max_queue=64, batch_wait_s=float(rng.uniform(0, 0.02)),
+                         max_batch_pixels=max_batch_pixels)
+    sent, lock = [], threading.Lock()
+
+    def client(client_seed):
+        crng = np.random.default_rng([seed, client_seed])
+        for _ in range(6):
+            images = _job_images(crng, side=int(crng.choice([8, 16])))
+            future = scorer.submit(images, ["p"] * len(images))
+            cancelled = crng.random() < 0.2 and future.cancel()
+            with lock:
+                sent.append((images, future, cancelled))
+            time.sleep(float(crng.uniform(0, 0.004)))
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for images, future, cancelled in sent:
+        if cancelled:
+            assert future.cancelled()
+            continue
+        error = future.exception(timeout=10)  # TimeoutError here: a request nobody answers
+        if error is None:
+            total, terms = future.result()
+            assert torch.equal(total, images.float().div(255).mean((1, 2, 3))) and torch.equal(terms["mean"], total)
+        else:
+            assert str(error) == "the reward failed on purpose"
+    scorer.close(wait_s=10)
+    assert not scorer._thread.is_alive() and scorer.failure is None
+    assert reward.broken == []
+
+
+def test_a_request_joining_a_batch_its_predecessor_filled_to_the_pixel_budget_is_answered():
+    """The issue's reproduction through the HTTP server: with --batch-wait-ms 3000, a request of
+    16 images filling --max-request-mpx, then, while the batch waits, one of a single image, and 10
+    more: each answered with its own scores (before: the first was answered, the scorer thread died
+    with 'Future in unexpected state', the others waited for ever)."""
+    images, prompts = shapes_batch(16, seed=3)
+    expected, _ = CombinedReward.from_configs(CONFIGS)(images, prompts)
+    budget = {"max_request_mpx": 16 * 64 * 64 / wire.MPX, "max_held_mpx": 4 * 16 * 64 * 64 / wire.MPX}
+    with reward_server(CONFIGS, batch_wait_ms=3000, **budget) as (url, _):
+        def ask(rows, delay_s):
+            time.sleep(delay_s)
+            body = wire.encode_request(images[rows], prompts[rows])
+            response = requests.post(url + wire.SCORE_PATH, json=body, timeout=60)
+            return rows, wire.decode_scores(response.json(), rows.stop - rows.start)
+        asks = [(slice(0, 16), 0.0), (slice(3, 4), 1.0)] + [(slice(i, i + 1), 1.5) for i in range(10)]
+        with concurrent.futures.ThreadPoolExecutor(len(asks)) as pool:
+            for rows, scores in pool.map(lambda a: ask(*a), asks):
+                assert torch.equal(scores, expected[rows])
+        assert requests.get(url + wire.HEALTH_PATH).json()["scored_images"] == 16 + 1 + 10
+
+
+def test_a_dead_scorer_fails_every_waiting_request_and_health_and_calls_on_failure(monkeypatch):
+    """A fault of the scheduler itself (here: its room count raises) ends its thread: the request
+    in it and the queued ones get 503 at once, /health fails from then on, and the server's
+    on_failure hook runs (`main` then exits 3) instead of every request waiting for ever."""
+    from mm_grpo.tools import reward_server
+    failures = []
+    monkeypatch.setattr(reward_server, "WATCH_INTERVAL_S", 0.1)
+    monkeypatch.setattr(BatchScorer, "_room", lambda self, batch, job: 1 // 0)
+    reward = CombinedReward.from_configs(CONFIGS)
+    settings = ServerSettings(rewards="-")
+    images, prompts = shapes_batch(2)
+    with serve_app(create_app(reward, settings, on_failure=failures.append), settings=settings) as url:
+        response = requests.post(url + wire.SCORE_PATH, json=wire.encode_request(images, prompts), timeout=30)
+        reason = "the scoring thread died: ZeroDivisionError: integer division or modulo by zero"
+        assert response.status_code == 503 and response.json() == {"error": f"the reward server cannot score: {reason}"}
+        deadline = time.monotonic() + 10
+        while not failures:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        health = requests.get(url + wire.HEALTH_PATH, timeout=10)
+        assert health.status_code == 503 and reason in health.json()["error"] and failures == [reason]
+
+
+def test_a_stuck_reward_fails_health_and_main_exits_3_and_a_stop_answers_the_waiting(tmp_path, monkeypatch, capsys):
+    """A reward that never returns: with --score-timeout-s the waiting request gets 503 in one line,
+    /health fails and the server's `main` exits 3 for its supervisor to restart it; a server told to
+    stop (what SIGTERM does in uvicorn) answers a request still waiting 503 within its graceful bound
+    (before: the request and every later one hung, /health answered ok and SIGTERM was ignored)."""
+    from mm_grpo.tools import reward_server
+    monkeypatch.setattr(reward_server, "WATCH_INTERVAL_S", 0.1)
+    monkeypatch.setattr(reward_server, "GRACEFUL_SHUTDOWN_S", 1.0)
+    stuck = _Slow()
+    monkeypatch.setattr(reward_server.CombinedReward, "from_configs", lambda configs, device: stuck)
+    rewards = tmp_path / "rewards.json"
+    rewards.write_text(json.dumps(CONFIGS))
+    sock = free_socket()
+    listen_socket = reward_server.listen_socket
+    monkeypatch.setattr(reward_server, "listen_socket", lambda host, port: sock)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    exits = []
+
+    def run():
+        try:
+            main(["--rewards", str(rewards), "--score-timeout-s", "0.5"])
+        except SystemExit as e:
+            exits.append(e.code)
+    server = threading.Thread(target=run)
+    server.start()
+    body = wire.encode_request(*shapes_batch(2))
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            response = requests.post(url + wire.SCORE_PATH, json=body, timeout=30)
+            break
+        except requests.ConnectionError:  # not listening yet
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    reason = "one batch has been scoring for over --score-timeout-s 0.5 s: the reward is stuck"
+    assert response.status_code == 503 and response.json() == {"error": f"the reward server cannot score: {reason}"}
+    server.join(30)
+    assert exits == [3] and not server.is_alive()
+    assert f"{PROG}: error: {reason}; every waiting request was answered 503, the server stops\n" in capsys.readouterr().err
+    stuck.release.set()
+
+    monkeypatch.setattr(reward_server, "listen_socket", listen_socket)
+    stuck = _Slow()
+    settings = ServerSettings(rewards="-")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with serve_app(create_app(stuck, settings), settings=settings) as url:
+            waiting = pool.submit(requests.post, url + wire.SCORE_PATH, json=body, timeout=30)
+            time.sleep(0.5)
+            start = time.monotonic()
+        assert time.monotonic() - start < reward_server.GRACEFUL_SHUTDOWN_S + 5
+        assert waiting.result(10).json() == {"error": "the reward server is stopping: retry once it is back"}
+    stuck.release.set()

@@ -12,6 +12,7 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import psutil
@@ -21,7 +22,7 @@ from PIL import Image
 
 from bench.bench_reward_server import start_server
 from mm_grpo.rewards import wire
-from mm_grpo.tools.reward_server import OVERFLOW
+from mm_grpo.tools.reward_server import OVERFLOW, SHAPE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REWARDS = os.path.join(REPO, "examples", "rewards", "rewards_shapes.json")
@@ -106,7 +107,7 @@ def _post(url, body: bytes):
 
 @pytest.mark.parametrize("side, copies, message", [
     (4096, 2, "the request's 2 images of 4096x4096 are 32 Mpx decoded, more than --max-request-mpx 16"),
-    (64, 20_000, "the request has 20000 images, more than --max-images-per-request 256"),
+    (64, 20_000, "the request has more than 256 images or prompts: --max-images-per-request 256"),
 ])
 def test_a_decompression_bomb_is_one_line_413_before_decoding_and_memory_stays_flat(server, side, copies, message):
     """Two black 4096 x 4096 PNGs (130 kB), or 20,000 copies of a 64 x 64 one, in one POST /score
@@ -122,7 +123,7 @@ def test_a_decompression_bomb_is_one_line_413_before_decoding_and_memory_stays_f
 def test_json_nested_100000_deep_is_a_one_line_400(server):
     response = _post(server.url, b"[" * 100_000)
     assert response.status_code == 400
-    assert response.json() == {"error": "the body is not JSON this server reads: it nests too deeply"}
+    assert response.json() == {"error": SHAPE}
     server.wait_healthy(within_s=5)
 
 
@@ -244,3 +245,99 @@ def test_slow_clients_are_cut_at_the_read_timeout_and_a_flood_of_them_gets_503_n
     assert 1 <= len(flood) <= 3  # one line every 10 s at most, not one per connection
     assert most_files < OPEN_FILES and not any("open files" in line for line in log)
     assert not [line for line in log if line not in timed_out + flood and "Exceeded concurrency limit" not in line], log
+
+
+def _status_and_body(sock: socket.socket, within_s: float = 30) -> tuple:
+    """(status code, body) of the one response on `sock`, read until the server closes it."""
+    sock.settimeout(within_s)
+    data = b""
+    while True:
+        try:
+            chunk = sock.recv(1 << 16)
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+def test_a_pipelined_request_has_its_own_read_deadline(server):
+    """Six connections each sending a whole GET /health pipelined with the start of a POST /score,
+    then nothing (before: never cut, 6 of 6 open at 60 s with --read-timeout-s 3; --max-connections
+    of them held /health at 503): each gets its /health answer, then is closed at the deadline of
+    the request it left unfinished, with one line."""
+    mark = len(server.lines)
+    pipelined = (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + BODY_START)
+    connections = [_connect(server.port, pipelined) for _ in range(6)]
+    start = time.monotonic()
+    try:
+        for sock in connections:
+            sock.settimeout(READ_TIMEOUT_S + 30)
+            received = b""
+            while True:
+                chunk = sock.recv(1 << 16)
+                if not chunk:
+                    break
+                received += chunk
+            assert received.startswith(b"HTTP/1.1 200") and received.count(b"HTTP/1.1") == 1, received[:200]
+        assert time.monotonic() - start < READ_TIMEOUT_S + 20
+    finally:
+        for sock in connections:
+            sock.close()
+    log = server.log_since(mark)
+    assert len([line for line in log if f"no whole request within --read-timeout-s {READ_TIMEOUT_S}" in line]) == 6, log
+    server.wait_healthy(within_s=5)
+
+
+def _send_chunked(sock: socket.socket, total: int, sent: list):
+    """Sends `total` bytes of chunked body, 1 MiB a chunk, until the server closes the connection;
+    `sent` gets the body bytes sent."""
+    chunk = b"%x\r\n%s\r\n" % (1 << 20, b"a" * (1 << 20))
+    count = 0
+    try:
+        while count < total:
+            sock.sendall(chunk)
+            count += 1 << 20
+    except OSError:  # the server closed it: what a refusal does
+        pass
+    sent.append(count)
+
+
+@pytest.mark.parametrize("headers, status, message", [
+    (b"Content-Length: 100\r\nTransfer-Encoding: chunked\r\n", 400,
+     "the request has both Content-Length and Transfer-Encoding: send one"),
+    (b"Transfer-Encoding: chunked\r\n", 413, "the body has more than 67108864 bytes, more than --max-request-mb 64"),
+])
+def test_the_body_cap_is_counted_on_the_bytes_read_whatever_the_framing(server, headers, status, message):
+    """`Content-Length: 100` with `Transfer-Encoding: chunked` and a 300 MiB body (before: read
+    whole, 823 -> 1,691 MiB), or a chunked body past the cap: refused, the connection closed
+    before the body's end, and the server's memory grows by less than the cap."""
+    sock = _connect(server.port, b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                 + headers + b"\r\n")
+    sent = []
+    sender = threading.Thread(target=_send_chunked, args=(sock, 300 << 20, sent))
+    try:
+        (code, body), growth = server.peak_rss_growth(lambda: (sender.start(), _status_and_body(sock))[1])
+        sender.join(30)
+    finally:
+        sock.close()
+    assert code == status and json.loads(body) == {"error": message}
+    assert sent[0] < 200 << 20 and growth < 64 * 2 ** 20 + BOMB_RSS_BOUND, (sent, growth / 2 ** 20)
+    server.wait_healthy(within_s=5)
+
+
+def test_bodies_of_empty_lists_under_the_cap_are_refused_before_any_list_is_built(server):
+    """Three concurrent 63 MiB bodies of `{"prompts": [[], [], ...]}` (before: the server went from 768
+    to 4,003 MiB and stayed at 3,950; json.loads makes a 56-byte list of every 3-byte `[],`): each a
+    one-line 400 from a scan of its tokens that stops at the first list inside a list."""
+    body = b'{"prompts": [' + b"[], " * (63 * 2 ** 20 // 4) + b'[]], "images": []}'
+
+    def three():
+        with ThreadPoolExecutor(3) as pool:
+            return list(pool.map(lambda _: _post(server.url, body), range(3)))
+    responses, growth = server.peak_rss_growth(three)
+    assert [r.status_code for r in responses] == [400] * 3 and all(r.json() == {"error": SHAPE} for r in responses)
+    assert growth < 3 * 2 * len(body), f"the server grew by {growth / 2 ** 20:.0f} MiB"  # the bodies, held as read
+    server.wait_healthy(within_s=5)
