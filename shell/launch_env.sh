@@ -9,6 +9,13 @@
 #   PY              MM_GRPO_PYTHON, else the current python3 if it has mm_grpo, else the project's
 #                   own environment (.venv, created by shell/setup_env.sh on first use)
 #   DEVICE          npu | cuda | cpu (mm_grpo's platform adaptor decides; MM_GRPO_DEVICE forces one)
+# A script that runs MindSpeed-MM's code sets NEEDS_MINDSPEED_MM=1 (and MINDSPEED_MM, its checkout) first:
+# PY must then import megatron.training and mindspeed_mm there (MindSpeed-MM's environment).
+# What is wrong with MM_GRPO_DEVICE, the Python or the device is one line, exit 2.
+_LAUNCH_ENV="launch_env.sh"
+case "${MM_GRPO_DEVICE:-}" in ""|npu|cuda|cpu) ;; *)
+  echo "$_LAUNCH_ENV: MM_GRPO_DEVICE=$MM_GRPO_DEVICE: must be npu, cuda or cpu (unset: detected)" >&2; exit 2 ;;
+esac
 ASCEND_DIR="${MM_GRPO_ASCEND:-/usr/local/Ascend}"
 CANN_ENV=""
 case "${MM_GRPO_DEVICE:-}" in cpu|cuda) ;; *)
@@ -30,10 +37,12 @@ case "${MM_GRPO_DEVICE:-}" in cpu|cuda) ;; *)
   fi ;;
 esac
 
+_python="MM_GRPO_PYTHON=${MM_GRPO_PYTHON:-}"  # how the error lines below name the Python
 if [ -n "${MM_GRPO_PYTHON:-}" ]; then PY="$MM_GRPO_PYTHON"
 # (probed from / : started in the repository, python3 would find mm_grpo in the current folder)
 elif (cd / && python3 -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('mm_grpo') and u.find_spec('torch')))") 2>/dev/null; then PY=python3
 else bash "$REPO/shell/setup_env.sh"; PY="${MM_GRPO_VENV:-$REPO/.venv}/bin/python"; fi
+[ -n "${MM_GRPO_PYTHON:-}" ] || _python="$PY"
 export MM_GRPO_PYTHON="$PY"
 # Paths the user gave are relative to where the script was started: make them absolute
 # before leaving for the repository (configs resolve the rest against their own folder).
@@ -48,12 +57,51 @@ if [ -n "$CANN_ENV" ] && ! _npu_error="$("$PY" -c 'import torch_npu' 2>&1)"; the
        "with $PY: $(printf '%s\n' "$_npu_error" | tail -n 1)" >&2
   exit 1
 fi
-if ! _detected="$(PYTHONWARNINGS=ignore "$PY" -c 'import mm_grpo; print(mm_grpo.get_platform().name)' 2>&1)"; then
-  printf 'launch_env.sh: mm_grpo could not choose a device:\n%s\n' "$_detected" >&2
-  exit 1
+# mm_grpo picks the device on import; the modules the script needs import after it, as they will run.
+# The last line printed: the device, or what failed (python: mm_grpo is not there, device, needs) and
+# the exception's first line.
+_LAUNCH_PROBE='
+import importlib, sys
+stage = "python"
+try:
+    import mm_grpo
+    stage, device = "needs", mm_grpo.get_platform().name
+    for module in sys.argv[1:]:
+        importlib.import_module(module)
+except Exception as e:
+    if stage == "python" and not isinstance(e, ImportError):
+        stage = "device"
+    print(stage, f"{type(e).__name__}: {e}".splitlines()[0])
+    sys.exit(1)
+print(device)'
+if ! command -v "$PY" > /dev/null; then
+  echo "$_LAUNCH_ENV: $_python: no such program: point MM_GRPO_PYTHON at the Python of an environment with" \
+       "mm-grpo and torch (bash shell/setup_env.sh makes .venv), or leave it unset" >&2
+  exit 2
+fi
+_needs=()
+[ -z "${NEEDS_MINDSPEED_MM:-}" ] || _needs=(megatron.training mindspeed_mm)
+_detected="$(cd "${MINDSPEED_MM:-$REPO}" && PYTHONWARNINGS=ignore "$PY" -c "$_LAUNCH_PROBE" "${_needs[@]}" 2>&1)" \
+  && _status=0 || _status=$?
+if [ "$_status" != 0 ]; then
+  read -r _stage _why <<< "$(printf '%s\n' "$_detected" | tail -n 1)"
+  case "$_stage" in python|needs|device) ;; *) _why="$(printf '%s\n' "$_detected" | tail -n 1)" ;; esac
+  # where MindSpeed is on the path, importing mm_grpo imports it (and Megatron's training) too
+  [ "$_stage" != python ] || [ ${#_needs[@]} = 0 ] || _stage=needs
+  case "$_stage" in
+    needs) echo "$_LAUNCH_ENV: $(basename "$0") runs MindSpeed-MM's code, which $_python cannot import ($_why):" \
+                "use MindSpeed-MM's environment (MM_GRPO_PYTHON=$REPO/.venv-mindspeed-mm/bin/python, made by" \
+                "MM_GRPO_ENV=mindspeed-mm bash shell/setup_env.sh)" >&2 ;;
+    device) echo "$_LAUNCH_ENV: ${MM_GRPO_DEVICE:+MM_GRPO_DEVICE=$MM_GRPO_DEVICE: }mm_grpo could not use the device" \
+                 "with $_python ($_why): install its support there${MM_GRPO_DEVICE:+, or set another MM_GRPO_DEVICE}" >&2 ;;
+    *) echo "$_LAUNCH_ENV: $_python cannot start mm-grpo (${_why:-it printed nothing}; exit status $_status):" \
+            "point MM_GRPO_PYTHON at the Python of an environment with mm-grpo and torch (bash" \
+            "shell/setup_env.sh makes .venv), or leave it unset" >&2 ;;
+  esac
+  exit 2
 fi
 DEVICE="$(printf '%s\n' "$_detected" | tail -n 1)"
-unset _npu_error _detected
+unset _npu_error _detected _needs _python _stage _why _status
 
 if [ "$DEVICE" = "npu" ]; then
   # MindSpeed-MM's settings for Ascend (examples/dancegrpo/posttrain_flux_dancegrpo.sh; meanings as in

@@ -1,9 +1,11 @@
 """Resuming after a damaged checkpoint, as a user meets it: the latest iteration truncated, a crafted
 pickle, a tracker or metadata that is not what mm-grpo wrote, --train-iters below the checkpoint.
 Each is one line (printed once, also through the launch script) that names the file and the newest
-intact iteration with the flag that resumes it (--ckpt-step); --ckpt-step then resumes exactly."""
+intact iteration with the flag that resumes it (--ckpt-step); --ckpt-step then resumes exactly. A run
+stopped by SIGTERM (--exit-signal-handler) resumes exactly too, and a resume with other batch sizes says so."""
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -81,6 +83,17 @@ class RunsACommand:
         return os.system, (f"echo pwned > {self.marker}",)
 
 
+def _assert_iteration_3_as_uninterrupted(saved, history, run):
+    """A run resumed at iteration 2 trained iteration 3 as the uninterrupted run (`saved`) did: reward,
+    loss, grad norm, every weight."""
+    assert run.start_iteration == 2 and len(history) == 1
+    for key in ("reward/mean", "loss", "grad_norm"):
+        assert history[0][key] == saved[1][2][key], key
+    uninterrupted = torch.load(saved[0] / "iter_0000003" / SHARD, weights_only=True)["model"]
+    trained = run.model.modules[0].state_dict()
+    assert all(torch.equal(trained[name], uninterrupted[name]) for name, _ in run.model.modules[0].named_parameters())
+
+
 # --- the latest checkpoint damaged ------------------------------------------------------------------
 def test_a_truncated_latest_checkpoint_names_the_intact_one_and_ckpt_step_resumes_it_exactly(
         parallel_1proc, configs, saved, tmp_path, capsys, monkeypatch):  # noqa: F811
@@ -93,13 +106,8 @@ def test_a_truncated_latest_checkpoint_names_the_intact_one_and_ckpt_step_resume
     assert status == 2 and output.count(line) == 1 and output.count("mm-grpo: error:") == 1, output
     monkeypatch.undo()
     # --ckpt-step 2 loads iteration 2 and trains iteration 3 as the uninterrupted run did.
-    history, run = run_grpo(grpo_argv(*configs, iters=3, extra=["--load", str(save), "--ckpt-step", "2"]))
-    assert run.start_iteration == 2 and len(history) == 1
-    for key in ("reward/mean", "loss", "grad_norm"):
-        assert history[0][key] == saved[1][2][key], key
-    intact = torch.load(saved[0] / "iter_0000003" / SHARD, weights_only=True)["model"]
-    trained = run.model.modules[0].state_dict()
-    assert all(torch.equal(trained[name], intact[name]) for name, _ in run.model.modules[0].named_parameters())
+    _assert_iteration_3_as_uninterrupted(saved, *run_grpo(grpo_argv(*configs, iters=3, extra=[
+        "--load", str(save), "--ckpt-step", "2"])))
     # Without --save nothing was written: the tracker still names iteration 3 (only a save moves it).
     assert (save / TRACKER_FILE).read_text() == "3" and os.path.getsize(save / "iter_0000003" / SHARD) == size
 
@@ -159,6 +167,40 @@ def test_a_file_found_damaged_while_loading_gives_the_same_line(parallel_1proc, 
         f"{save}/iter_0000002 is unreadable (mp_rank_00/distrib_optim_dp000.pt does not match its checksum ")
     assert str(refused.value).endswith("changed or corrupted after it was written); the newest intact checkpoint is "
                                        "iteration 1: resume from it with --ckpt-step 1")
+
+
+# --- a preempted run ------------------------------------------------------------------------------
+def test_sigterm_with_the_exit_handler_saves_the_iteration_in_progress_and_the_resume_is_exact(
+        parallel_1proc, configs, saved, tmp_path, capsys, monkeypatch):  # noqa: F811
+    """SIGTERM while iteration 2 runs (no interval saves): iteration 2 is finished and saved, the run
+    returns; resumed, iteration 3 is the uninterrupted run's (reward, loss, grad norm, every weight)."""
+    from mm_grpo.training.train_grpo import GRPORun
+    step = GRPORun.step
+
+    def preempted_during_the_second(self, iteration):
+        if iteration == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler sends; it lands mid-iteration
+        return step(self, iteration)
+    monkeypatch.setattr(GRPORun, "step", preempted_during_the_second)
+    save = tmp_path / "ckpt"
+    history, run = run_grpo(grpo_argv(*configs, iters=3, extra=["--save", str(save), "--exit-signal-handler"]))
+    assert len(history) == 2 and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler removed
+    assert capsys.readouterr().out.count(f"mm-grpo: SIGTERM received (--exit-signal-handler): stopped after iteration "
+                                         f"2 of 3, saved in {save}; resume with --load {save}\n") == 1
+    assert sorted(os.listdir(save)) == ["iter_0000002", TRACKER_FILE]  # saved, nothing half-written, unlocked
+    monkeypatch.undo()
+    _assert_iteration_3_as_uninterrupted(saved, *run_grpo(grpo_argv(*configs, iters=3, extra=["--load", str(save)])))
+
+
+def test_a_resume_with_other_batch_sizes_says_so(parallel_1proc, configs, saved, capsys):  # noqa: F811
+    save = saved[0]  # 2 prompts x 4 generations per iteration, micro-batch 2
+    run_grpo(grpo_argv(*configs, iters=3, extra=["--load", str(save), "--num-generations", "2",
+                                                  "--micro-batch-size", "1"]))  # --train-iters 3: loaded, nothing left to train
+    assert capsys.readouterr().out.count(
+        f"mm-grpo: {save}/iter_0000003 (iteration 3) was saved with --num-generations 4 --micro-batch-size 2; this run "
+        "goes on with --num-generations 2 --micro-batch-size 1\n") == 1
+    run_grpo(grpo_argv(*configs, iters=3, extra=["--load", str(save)]))  # the same sizes: not a word
+    assert "was saved with" not in capsys.readouterr().out
 
 
 # --- the tracker and the metadata name their file -----------------------------------------------

@@ -36,6 +36,10 @@
 #                  the reporting half; tuning: EVAL_PROMPT_FILE=.../eval_objects_tuning.txt EVAL_SEED=0)
 #   IMAGE_INTERVAL a grid of held-out samples every IMAGE_INTERVAL iterations (RUN_DIR/samples)
 #   SAVE_INTERVAL LOG_INTERVAL     checkpoint and log intervals in iterations
+#   EXIT_SIGNAL_HANDLER  1 (default): SIGTERM or Ctrl-C to this script saves the iteration in progress, then
+#                  ends the job (--exit-signal-handler; a second signal ends it at once; the script exits 143 /
+#                  130); 0: the job ends at once, saving nothing. A wall-clock limit: --exit-duration-in-mins N
+#                  after the script's name saves and exits 0 before N minutes
 #   RUN_DIR        output folder (train.log, appended on each start; TensorBoard logs, checkpoints,
 #                  image grids, reward_curve.png and before_after.png)
 #   MM_GRPO_ASCEND Ascend install folder (default /usr/local/Ascend): where it exists, its CANN
@@ -49,7 +53,6 @@ source "$REPO/shell/launch_env.sh"  # PY, DEVICE, accelerator environment
 source "$REPO/shell/run_trainer.sh"  # run_trainer: the trainer's exit status and one-line error last
 
 RUN_DIR="${RUN_DIR:-$REPO/runs/grpo_flux_$(date +%Y%m%d_%H%M%S)}"
-mkdir -p "$RUN_DIR"
 if [ -z "${PIPELINE_DIR:-}" ]; then
   if [ "$DEVICE" != "cpu" ]; then
     echo "grpo_flux.sh: set PIPELINE_DIR to a FLUX pipeline folder, or run the tiny demo on the CPU with MM_GRPO_DEVICE=cpu" >&2; exit 2
@@ -80,29 +83,39 @@ export EVAL_PROMPT_FILE="${EVAL_PROMPT_FILE:-}"
 NPUS_PER_NODE="${NPUS_PER_NODE:-8}"; NNODES="${NNODES:-1}"; NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-localhost}"; MASTER_PORT="${MASTER_PORT:-6000}"
 TP="${TP:-1}"; PP="${PP:-1}"; CP="${CP:-1}"
+check_torchrun_sizes
+check_layout TP PP CP
 G="${G:-12}"; MBS="${MBS:-1}"; PROMPTS="${PROMPTS:-$((NPUS_PER_NODE * NNODES / (TP * PP * CP)))}"  # one per DP rank
-STEPS="${STEPS:-16}"; ITERS="${ITERS:-200}"; LR="${LR:-1e-5}"
+STEPS="${STEPS:-16}"; ITERS="${ITERS:-200}"; LR="${LR:-1e-5}"; SEED="${SEED:-1234}"
+WINDOW="${WINDOW:-3}"; ODE_REUSE="${ODE_REUSE:-1}"; EVAL_PROMPTS="${EVAL_PROMPTS:-8}"
+SAVE_INTERVAL="${SAVE_INTERVAL:-100}"; LOG_INTERVAL="${LOG_INTERVAL:-10}"
+EVAL_INTERVAL="${EVAL_INTERVAL:-20}"; IMAGE_INTERVAL="${IMAGE_INTERVAL:-20}"
+check_whole_numbers 1 G MBS PROMPTS STEPS WINDOW ODE_REUSE EVAL_PROMPTS LOG_INTERVAL
+check_whole_numbers 0 ITERS SEED SAVE_INTERVAL EVAL_INTERVAL IMAGE_INTERVAL
+EXIT_SIGNAL_HANDLER="${EXIT_SIGNAL_HANDLER:-1}"; check_one_of EXIT_SIGNAL_HANDLER 0 1
+mkdir -p "$RUN_DIR"
 
 DISTRIBUTED_ARGS="--nproc_per_node $NPUS_PER_NODE --nnodes $NNODES --node_rank $NODE_RANK \
   --master_addr $MASTER_ADDR --master_port $MASTER_PORT"
 GPT_ARGS="--tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP \
   --context-parallel-size $CP --context-parallel-algo ulysses_cp_algo \
-  --micro-batch-size $MBS --train-iters $ITERS --seed ${SEED:-1234} \
+  --micro-batch-size $MBS --train-iters $ITERS --seed $SEED \
   --lr $LR --weight-decay 1e-4 --adam-beta1 0.9 --adam-beta2 0.999 --clip-grad 1.0"
 [ "$DEVICE" = "cpu" ] || GPT_ARGS="$GPT_ARGS --bf16 --recompute-activations"
 MM_ARGS="--mm-model ${MODEL_JSON:-$SCRIPT_DIR/model.json} --mm-data ${DATA_JSON:-$SCRIPT_DIR/data.json}"
 GRPO_ARGS="--prompts-per-iteration $PROMPTS --num-generations $G --num-inference-steps $STEPS --sampler ${SAMPLER:-dance_sde} --policy-loss ${POLICY_LOSS:-ppo} \
   --timestep-selection ${TIMESTEPS:-random} --timestep-fraction ${TIMESTEP_FRACTION:-0.6} --clip-range ${CLIP:-1e-4} \
   --adv-clip-max 5 \
-  --window-size ${WINDOW:-3} --ode-reuse ${ODE_REUSE:-1} --eval-prompts ${EVAL_PROMPTS:-8}"
+  --window-size $WINDOW --ode-reuse $ODE_REUSE --eval-prompts $EVAL_PROMPTS"
 [ "${TIMESTEPS:-random}" = branch ] && SAME_NOISE=1  # a group branches from one shared prefix
 [ "${SAME_NOISE:-0}" = 1 ] && GRPO_ARGS="$GRPO_ARGS --init-same-noise"
 [ -n "${KL_BETA:-}" ] && GRPO_ARGS="$GRPO_ARGS --kl-beta $KL_BETA"
 [ -n "${EMA_DECAY:-}" ] && GRPO_ARGS="$GRPO_ARGS --ema-decay $EMA_DECAY"
 [ -n "${EMA_DECAY_RAMP:-}" ] && GRPO_ARGS="$GRPO_ARGS --ema-decay-ramp $EMA_DECAY_RAMP"
-OUTPUT_ARGS="--save ${SAVE:-$RUN_DIR/ckpt} --save-interval ${SAVE_INTERVAL:-100} --log-interval ${LOG_INTERVAL:-10} \
-  --tensorboard-dir $RUN_DIR --eval-interval ${EVAL_INTERVAL:-20} --save-image-interval ${IMAGE_INTERVAL:-20}"
+OUTPUT_ARGS="--save ${SAVE:-$RUN_DIR/ckpt} --save-interval $SAVE_INTERVAL --log-interval $LOG_INTERVAL \
+  --tensorboard-dir $RUN_DIR --eval-interval $EVAL_INTERVAL --save-image-interval $IMAGE_INTERVAL"
 [ -n "${LOAD:-}" ] && OUTPUT_ARGS="$OUTPUT_ARGS --load $LOAD"
+[ "$EXIT_SIGNAL_HANDLER" = 1 ] && OUTPUT_ARGS="$OUTPUT_ARGS --exit-signal-handler"
 
 echo "[grpo_flux.sh] device=$DEVICE nodes=$NNODES x $NPUS_PER_NODE TP=$TP PP=$PP CP=$CP run=$RUN_DIR"
 # shellcheck disable=SC2086

@@ -21,6 +21,8 @@
 #   DECAY WD SEED GUIDANCE          lr decay style (constant), weight decay (1e-4), seed (1234),
 #                                   guidance embedding value (3.5)
 #   SAVE_INTERVAL LOG_INTERVAL      checkpoint (500) and log (50) intervals in iterations
+#   EXIT_SIGNAL_HANDLER  1 (default): SIGTERM or Ctrl-C to this script saves the iteration in progress, then
+#                  ends the job (--exit-signal-handler; the script exits 143 / 130); 0: ends it at once
 #   RUN_DIR        output folder (train.log, appended on each start; TensorBoard logs, checkpoints, sample grids)
 #   MM_GRPO_ASCEND Ascend install folder (default /usr/local/Ascend): where it exists, its CANN
 #                  cann/set_env.sh (or ascend-toolkit/set_env.sh) is sourced first and torch_npu must
@@ -36,29 +38,36 @@ source "$REPO/shell/run_trainer.sh"  # run_trainer: the trainer's exit status an
 : "${DATA_DIR:?set DATA_DIR to an image-caption folder (metadata.jsonl + images)}"
 export PIPELINE_DIR DATA_DIR EVAL_PROMPT_FILE="${EVAL_PROMPT_FILE:-}"
 RUN_DIR="${RUN_DIR:-$REPO/runs/pretrain_flux_$(date +%Y%m%d_%H%M%S)}"
-mkdir -p "$RUN_DIR"
 
 NPUS_PER_NODE="${NPUS_PER_NODE:-$([ "$DEVICE" = "cpu" ] && echo 2 || echo 8)}"; NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"; MASTER_ADDR="${MASTER_ADDR:-localhost}"; MASTER_PORT="${MASTER_PORT:-6001}"
-TP="${TP:-1}"; PP="${PP:-1}"; CP="${CP:-1}"
-MBS="${MBS:-1}"; GBS="${GBS:-$((MBS * NPUS_PER_NODE * NNODES / (TP * PP * CP)))}"
-ITERS="${ITERS:-1000}"; LR="${LR:-1e-5}"; WARMUP="${WARMUP:-0}"
+TP="${TP:-1}"; PP="${PP:-1}"; CP="${CP:-1}"; MBS="${MBS:-1}"
+check_torchrun_sizes
+check_layout TP PP CP
+check_whole_numbers 1 MBS
+GBS="${GBS:-$((MBS * NPUS_PER_NODE * NNODES / (TP * PP * CP)))}"
+ITERS="${ITERS:-1000}"; LR="${LR:-1e-5}"; WARMUP="${WARMUP:-0}"; SEED="${SEED:-1234}"
+SAVE_INTERVAL="${SAVE_INTERVAL:-500}"; LOG_INTERVAL="${LOG_INTERVAL:-50}"; EVAL_INTERVAL="${EVAL_INTERVAL:-500}"
+check_whole_numbers 1 GBS LOG_INTERVAL
+check_whole_numbers 0 ITERS WARMUP SEED SAVE_INTERVAL EVAL_INTERVAL
+EXIT_SIGNAL_HANDLER="${EXIT_SIGNAL_HANDLER:-1}"; check_one_of EXIT_SIGNAL_HANDLER 0 1
+mkdir -p "$RUN_DIR"
 
 DISTRIBUTED_ARGS="--nproc_per_node $NPUS_PER_NODE --nnodes $NNODES --node_rank $NODE_RANK \
   --master_addr $MASTER_ADDR --master_port $MASTER_PORT"
 GPT_ARGS="--tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP \
   --context-parallel-size $CP --context-parallel-algo ulysses_cp_algo \
-  --micro-batch-size $MBS --global-batch-size $GBS --train-iters $ITERS --seed ${SEED:-1234} \
+  --micro-batch-size $MBS --global-batch-size $GBS --train-iters $ITERS --seed $SEED \
   --lr $LR --lr-warmup-iters $WARMUP --lr-decay-style ${DECAY:-constant} --weight-decay ${WD:-1e-4} \
   --adam-beta1 0.9 --adam-beta2 0.999 --clip-grad 1.0"
 [ "$DEVICE" = "cpu" ] || GPT_ARGS="$GPT_ARGS --bf16 --recompute-activations"
 MM_ARGS="--mm-model ${MODEL_JSON:-$SCRIPT_DIR/model_flow.json} --mm-data ${DATA_JSON:-$SCRIPT_DIR/data_flow.json}"
 FLOW_ARGS="--weighting-scheme logit_normal --guidance-scale ${GUIDANCE:-3.5}"
 [ -n "${SHIFT:-}" ] && FLOW_ARGS="$FLOW_ARGS --flow-shift $SHIFT"
-OUTPUT_ARGS="--save ${SAVE:-$RUN_DIR/ckpt} --save-interval ${SAVE_INTERVAL:-500} --log-interval ${LOG_INTERVAL:-50} \
-  --tensorboard-dir $RUN_DIR --eval-interval ${EVAL_INTERVAL:-500} \
-  --save-image-interval ${EVAL_INTERVAL:-500}"
+OUTPUT_ARGS="--save ${SAVE:-$RUN_DIR/ckpt} --save-interval $SAVE_INTERVAL --log-interval $LOG_INTERVAL \
+  --tensorboard-dir $RUN_DIR --eval-interval $EVAL_INTERVAL --save-image-interval $EVAL_INTERVAL"
 [ -n "${LOAD:-}" ] && OUTPUT_ARGS="$OUTPUT_ARGS --load $LOAD"
+[ "$EXIT_SIGNAL_HANDLER" = 1 ] && OUTPUT_ARGS="$OUTPUT_ARGS --exit-signal-handler"
 
 echo "[pretrain_flux.sh] device=$DEVICE nodes=$NNODES x $NPUS_PER_NODE TP=$TP PP=$PP CP=$CP run=$RUN_DIR"
 # shellcheck disable=SC2086

@@ -29,32 +29,40 @@
 #                  iterations unless DECAY says otherwise), weight decay, gradient clip, seed
 #   SAVE_INTERVAL LOG_INTERVAL   checkpoint and log intervals in iterations
 #   RUN_DIR        output folder (train.log, appended on each start; TensorBoard events)
+#   EXIT_SIGNAL_HANDLER  1 (default): SIGTERM or Ctrl-C to this script saves the iteration in progress, then
+#                  ends the job (Megatron's --exit-signal-handler; the script exits 143 / 130); 0: ends it at once
 set -euo pipefail
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$SCRIPT_DIR/../.." && pwd)"
 RUN_DIR="${RUN_DIR:-$PWD/runs/pretrain_wan_$(date +%Y%m%d_%H%M%S)}"
 [ "${MM_GRPO_DEVICE:-}" = cpu ] && [ -z "${MINDSPEED_MM:-}" ] && source "$SCRIPT_DIR/cpu_env.sh"
 [ -z "${DATA_ROOT:-}" ] || DATA_ROOT="$(cd "$DATA_ROOT" && pwd)"  # given relative to here; the launch runs there
-
+MINDSPEED_MM="${MINDSPEED_MM:?set MINDSPEED_MM to your MindSpeed-MM checkout (or MM_GRPO_DEVICE=cpu for the testbed)}"
+NEEDS_MINDSPEED_MM=1
 source "$REPO/shell/launch_env.sh"  # PY, DEVICE; CANN's environment on an Ascend machine
 source "$REPO/shell/run_trainer.sh"  # run_trainer: the entry's exit status and one-line error last
-mkdir -p "$RUN_DIR"
-MINDSPEED_MM="${MINDSPEED_MM:?set MINDSPEED_MM to your MindSpeed-MM checkout (or MM_GRPO_DEVICE=cpu for the testbed)}"
 DATA_ROOT="${DATA_ROOT:-$MINDSPEED_MM}"
 
 NPUS_PER_NODE="${NPUS_PER_NODE:-$([ "$DEVICE" = cpu ] && echo 2 || echo 8)}"; NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"; MASTER_ADDR="${MASTER_ADDR:-localhost}"; MASTER_PORT="${MASTER_PORT:-6000}"
 CP="${CP:-1}"; PP="${PP:-1}"
+check_torchrun_sizes
+check_layout CP PP
 DP=$((NPUS_PER_NODE * NNODES / CP / PP))
-GBS="${GBS:-$DP}"; ITERS="${ITERS:-1000}"; LR="${LR:-1e-4}"; WARMUP="${WARMUP:-0}"
-[ "$GBS" -gt 0 ] && [ $((GBS % DP)) = 0 ] \
+GBS="${GBS:-$DP}"; ITERS="${ITERS:-1000}"; LR="${LR:-1e-4}"; WARMUP="${WARMUP:-0}"; SEED="${SEED:-1234}"
+LOG_INTERVAL="${LOG_INTERVAL:-100}"; SAVE_INTERVAL="${SAVE_INTERVAL:-$ITERS}"
+check_whole_numbers 1 GBS LOG_INTERVAL
+check_whole_numbers 0 ITERS WARMUP SEED SAVE_INTERVAL
+[ $((GBS % DP)) = 0 ] \
   || { echo "pretrain_wan.sh: GBS $GBS must be a positive multiple of DP $DP (one video per micro-batch)" >&2; exit 2; }
+EXIT_SIGNAL_HANDLER="${EXIT_SIGNAL_HANDLER:-1}"; check_one_of EXIT_SIGNAL_HANDLER 0 1
+mkdir -p "$RUN_DIR"
 
 DISTRIBUTED_ARGS="--nproc_per_node $NPUS_PER_NODE --nnodes $NNODES --node_rank $NODE_RANK \
   --master_addr $MASTER_ADDR --master_port $MASTER_PORT"
 GPT_ARGS="--tensor-model-parallel-size 1 --pipeline-model-parallel-size $PP \
   --context-parallel-size $CP --context-parallel-algo ulysses_cp_algo \
-  --micro-batch-size 1 --global-batch-size $GBS --train-iters $ITERS --seed ${SEED:-1234} \
+  --micro-batch-size 1 --global-batch-size $GBS --train-iters $ITERS --seed $SEED \
   --lr $LR --min-lr ${MIN_LR:-0} --lr-warmup-init 0 --lr-warmup-iters $WARMUP --lr-decay-style ${DECAY:-cosine} \
   --weight-decay ${WD:-0} --adam-beta1 0.9 --adam-beta2 0.999 --adam-eps 1e-8 --clip-grad ${CLIP:-1.0} \
   --distributed-backend $([ "$DEVICE" = cpu ] && echo gloo || echo nccl) --no-gradient-accumulation-fusion"
@@ -65,9 +73,10 @@ GPT_ARGS="--tensor-model-parallel-size 1 --pipeline-model-parallel-size $PP \
 MM_ARGS="--mm-model ${MODEL_JSON:-$SCRIPT_DIR/pretrain_model_motion.json} \
   --mm-data ${DATA_JSON:-$SCRIPT_DIR/feature_data_motion.json} \
   --mm-tool ${MM_TOOL:-$MINDSPEED_MM/mindspeed_mm/tools/tools.json}"
-OUTPUT_ARGS="--log-interval ${LOG_INTERVAL:-100} --save-interval ${SAVE_INTERVAL:-$ITERS} \
+OUTPUT_ARGS="--log-interval $LOG_INTERVAL --save-interval $SAVE_INTERVAL \
   --eval-interval $((ITERS + 1)) --eval-iters 0 --save ${SAVE_PATH:-$RUN_DIR/ckpt} --tensorboard-dir $RUN_DIR/tb --ckpt-format torch"
 [ -n "${LOAD_PATH:-}" ] && OUTPUT_ARGS="$OUTPUT_ARGS --load $LOAD_PATH"
+[ "$EXIT_SIGNAL_HANDLER" = 1 ] && OUTPUT_ARGS="$OUTPUT_ARGS --exit-signal-handler"
 
 echo "[pretrain_wan.sh] device=$DEVICE nodes=$NNODES x $NPUS_PER_NODE CP=$CP PP=$PP DP=$DP GBS=$GBS run=$RUN_DIR"
 cd "$DATA_ROOT"  # MindSpeed-MM's launches run where their data.json's relative paths point

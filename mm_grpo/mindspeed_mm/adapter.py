@@ -89,16 +89,16 @@ def grpo_forward_step(schedule, data_iterator, model):
 
 
 @contextlib.contextmanager
-def rollout_before_each_step(data):
-    """MindSpeed-MM's loop (`mindspeed_mm.training.train`) with `data().fill()` before each
-    `train_step`: every rank rolls out together, before the step's pipeline schedule starts.
-    `data` returns the GRPOMicroBatches that `pretrain`'s data provider built."""
+def rollout_before_each_step(before_step):
+    """MindSpeed-MM's loop (`mindspeed_mm.training.train`) with `before_step()` before each
+    `train_step`; it fills the GRPOMicroBatches that `pretrain`'s data provider built, so every rank
+    rolls out together, before the step's pipeline schedule starts."""
     import mindspeed_mm.training as loop
     train_step = loop.train_step
 
     @functools.wraps(train_step)
     def train_step_after_rollout(*args, **kwargs):
-        data().fill()
+        before_step()
         return train_step(*args, **kwargs)
 
     loop.train_step = train_step_after_rollout

@@ -37,6 +37,12 @@ the end.
 The rollout runs before each step's forward-backward, on every rank at once
 (`adapter.rollout_before_each_step`), so Wan's pipeline stages roll out together.
 
+Megatron's `--exit-signal-handler` and `--exit-duration-in-mins` are its loop's own: after an iteration
+it saves and exits 0 (`sys.exit()`) once any rank got SIGTERM, or once the minutes since its start have
+passed the limit (mm-grpo's trainers stop before it). This entry makes SIGINT count as SIGTERM (as in
+mm-grpo's trainers), runs both checks only after an iteration that ends a rollout (a checkpoint inside
+one could not be resumed), and refuses either without `--save` (Megatron's save would fail on it).
+
 Refused, each in one line: pipeline parallelism for FLUX (this entry gives Megatron's schedule
 wandit's stage tensors only; mm-grpo's own trainer runs FLUX under PP and VPP); mm-grpo's `--ema-decay` /
 `--ema-decay-ramp` (in MindSpeed's parser `--ema-decay` is its fused_ema_adamw optimizer's decay,
@@ -49,6 +55,7 @@ import contextlib
 import dataclasses
 import io
 import os
+import signal
 import sys
 from typing import List, Optional
 
@@ -72,10 +79,11 @@ from mm_grpo.mindspeed_mm.adapter import GRPOMicroBatches, grpo_forward_step, ro
 from mm_grpo.rewards.combined import CombinedReward
 from mm_grpo.settings import accept_negative_numbers, add_setting_args, check_bounds, from_args
 from mm_grpo.training import components, run_guard
-from mm_grpo.training.arguments import GuardArgs, HeldOutArgs, OptimizerArgs
+from mm_grpo.training.arguments import GuardArgs, HeldOutArgs, OneLineParser, OptimizerArgs
 from mm_grpo.training.entry import run_entry, speaks_for_launch
 from mm_grpo.training.evaluation import compare, eval_settings, held_out_evaluator
 from mm_grpo.training.logging_utils import is_logging_rank
+from mm_grpo.training.preemption import check_exit_args
 
 OWN_TRAINER = "mm_grpo.training.train_grpo"
 MODEL_BLOCKS = ("predictor", "ae", "text_encoder", "reward")  # what --mm-model must hold
@@ -125,19 +133,20 @@ class Launch:
 
 def parse_launch_args(argv) -> argparse.Namespace:
     """Megatron's arguments as MindSpeed-MM's `pretrain` parses them (its parser, MindSpeed's and
-    MindSpeed-MM's groups, this entry's), without Megatron's validation. argparse's usage error is
-    printed by the launch's first process only."""
+    MindSpeed-MM's groups, this entry's), without Megatron's validation. argparse's refusal is one
+    line and its --help is printed by the launch's first process only (as `OneLineParser`'s)."""
     from megatron.training.arguments import parse_args
     from mindspeed.arguments import parse_args_wrapper
     from mindspeed_mm.arguments import extra_args_provider_decorator
-    command_line = sys.argv
+    command_line, refuse = sys.argv, argparse.ArgumentParser.error
     sys.argv = [command_line[0], *argv]
+    argparse.ArgumentParser.error = OneLineParser.error  # Megatron builds its parser inside parse_args
     quiet = contextlib.nullcontext() if speaks_for_launch() else contextlib.redirect_stderr(io.StringIO())
     try:
         with quiet:
             return parse_args_wrapper(parse_args)(extra_args_provider_decorator(add_grpo_args), False)
     finally:
-        sys.argv = command_line
+        sys.argv, argparse.ArgumentParser.error = command_line, refuse
 
 
 def grpo_settings(args, model_cfg, dp_size: int) -> GRPOSettings:
@@ -201,6 +210,7 @@ def _check_launch(argv) -> Launch:
     if "--ema-decay" in flags and getattr(args, "optimizer_selection", None) != "fused_ema_adamw":
         raise ValueError(EMA_REFUSAL.format(flag="--ema-decay"))
     check_bounds(args, *OWN_SETTINGS, OptimizerArgs)  # Megatron's --lr, --weight-decay... as mm-grpo's trainer
+    check_exit_args(args)
     for flag, what in (("--mm-model", "model.json"), ("--mm-data", "data.json"),
                        ("--mm-tool", "MindSpeed-MM's tools.json, whose profiler settings its pretrain reads")):
         if not getattr(args, flag[2:].replace("-", "_")):
@@ -258,6 +268,7 @@ class GRPOInPretrain:
         self.launch = launch
         self.policy, self.schedule, self.data = [], None, None
         self.lock = None  # rank 0's lock of --save
+        self.exits = None  # RolloutEndExits, once Megatron's arguments are final
         self.evaluator, self.evaluations = None, {}  # Megatron iteration -> held-out stats
         self.first_eval = self.last_eval = None  # this launch's first and last EvalResult (the paired gain)
 
@@ -300,6 +311,9 @@ class GRPOInPretrain:
         if launch.eval_prompts:
             self.evaluator = held_out_evaluator(launch.eval_prompts, self.schedule, launch.data_cfg["dataset_param"],
                                                 device)
+        if args.exit_signal_handler:  # Megatron's handler, installed by now, takes SIGINT too
+            signal.signal(signal.SIGINT, signal.getsignal(signal.SIGTERM))
+        self.exits = RolloutEndExits(args, launch.settings.updates_per_rollout)
         rollout = args.iteration // launch.settings.updates_per_rollout
         launch.prompts.load_state_dict({"consumed": rollout * launch.settings.prompts_per_iteration})
         self.data = GRPOMicroBatches(self.schedule, launch.prompts, start_iteration=rollout,
@@ -369,8 +383,30 @@ class GRPOInPretrain:
                   f"iteration {first} -> {last}: " + compare(before, after, self.first_eval, self.last_eval),
                   flush=True)
 
+    def before_step(self):
+        """Before each of Megatron's steps: its exit checks armed for this step, the rollout run if due."""
+        self.exits.arm()
+        self.data.fill()
+
     def forward_step(self, data_iterator, model):
         return grpo_forward_step(self.schedule, data_iterator, model)
+
+
+class RolloutEndExits:
+    """Megatron's loop checks --exit-signal-handler and --exit-duration-in-mins after every iteration
+    (its `args` read each time); an exit inside a rollout would leave a checkpoint that no resume can
+    continue (`check_rollout_boundary`), so `arm()`, before each step, switches both checks on only
+    for a step that ends a rollout."""
+
+    def __init__(self, args, updates_per_rollout: int):
+        self.args, self.updates_per_rollout = args, updates_per_rollout
+        self.given = {"exit_signal_handler": args.exit_signal_handler,
+                      "exit_duration_in_mins": args.exit_duration_in_mins}
+
+    def arm(self):
+        ends_rollout = (self.args.curr_iteration + 1) % self.updates_per_rollout == 0
+        for name, value in self.given.items():
+            setattr(self.args, name, value if ends_rollout else None)
 
 
 def main():
@@ -378,7 +414,7 @@ def main():
     grpo = GRPOInPretrain(launch)
     from mindspeed_mm.training import pretrain
     try:
-        with rollout_before_each_step(lambda: grpo.data):
+        with rollout_before_each_step(grpo.before_step):
             pretrain(grpo.train_valid_test_datasets_provider, grpo.model_provider, ModelType.encoder_or_decoder,
                      grpo.forward_step, extra_args_provider=add_grpo_args,
                      args_defaults={"dataloader_type": "external",

@@ -16,6 +16,7 @@ from mm_grpo.parallel.ulysses import ULYSSES_CP_ALGO
 from mm_grpo.seeding import DEFAULT_SEED
 from mm_grpo.settings import accept_negative_numbers, add_setting_args, check_bounds, setting
 from mm_grpo.training import components
+from mm_grpo.training.entry import refuse_once_per_launch
 
 # Each class is one argument group; its fields are the flags (mm_grpo/settings.py). The trainers
 # read them from the parsed namespace by Megatron's names (args.lr, args.save, ...).
@@ -39,6 +40,19 @@ class GuardArgs:
     max_skipped_iterations: int = setting(
         10, "stop with an error after this many iterations in a row without an optimizer step "
             "(non-finite rewards, loss or gradients); 0: never", minimum=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExitArgs:
+    """Megatron's exits for preempted and time-limited jobs (mm_grpo/training/preemption.py)."""
+    exit_signal_handler: bool = setting(
+        False, "on SIGTERM or SIGINT (Megatron's: SIGTERM only), finish the iteration in progress, save it "
+               "(agreed by every rank) and exit 0, as Megatron does; a second signal changes nothing (the shipped "
+               "scripts end the job at once on their second one); needs --save")
+    exit_duration_in_mins: Optional[float] = setting(
+        None, "save and exit 0 before this many minutes since the process started: after an iteration, once the "
+              "elapsed time plus the longest iteration so far plus the last save's duration would pass it "
+              "(Megatron's exits after the limit has passed); needs --save", above=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +153,7 @@ class GRPORunArgs:
 
 
 # argument group -> the classes whose flags it holds, in the order of Megatron's parser
-MEGATRON_GROUPS = {"distributed": (DistributedArgs,), "training": (TrainingArgs, GuardArgs),
+MEGATRON_GROUPS = {"distributed": (DistributedArgs,), "training": (TrainingArgs, GuardArgs, ExitArgs),
                    "optimizer (AdamW)": (OptimizerArgs,), "checkpointing": (CheckpointArgs,),
                    "logging": (LoggingArgs,), "mindspeed-mm": (MindSpeedMMArgs,), "lora": (LoRAArgs,)}
 GRPO_GROUP = {"grpo": (GRPOSettings, FluxGuidance, HeldOutArgs, GRPORunArgs)}
@@ -165,6 +179,14 @@ def lora_config(args) -> Optional[lora.LoRAConfig]:
     return lora.LoRAConfig(targets=tuple(args.lora_target_modules), **given)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's refusal in one line printed once per launch, exit 2, instead of its usage text on
+    every rank."""
+
+    def error(self, message):
+        refuse_once_per_launch(f"{message} (--help lists the flags)")
+
+
 def _groups(own_groups) -> dict:
     """Title -> settings classes of every argument group: Megatron's, then the trainer's own."""
     return {**MEGATRON_GROUPS, **own_groups}
@@ -172,8 +194,8 @@ def _groups(own_groups) -> dict:
 
 def build_parser(own_groups=GRPO_GROUP):
     """The Megatron-style arguments and the trainer's own groups (title -> settings classes)."""
-    p = accept_negative_numbers(argparse.ArgumentParser(description="mm-grpo training (Megatron-style arguments)",
-                                                        allow_abbrev=False))
+    p = accept_negative_numbers(OneLineParser(description="mm-grpo training (Megatron-style arguments)",
+                                              allow_abbrev=False))
     for title, classes in _groups(own_groups).items():
         group = p.add_argument_group(title)
         for cls in classes:

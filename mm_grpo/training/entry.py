@@ -12,6 +12,12 @@ from mm_grpo.files.lock import RunFolderLocked
 from mm_grpo.parallel.state import end_process_groups
 from mm_grpo.training import run_guard
 
+
+class UsageError(ValueError):
+    """A command line refused as it stands (a flag that needs another): the same on every process, so
+    `run_entry` prints it once per launch."""
+
+
 # How long a process that leaves its error line to its launch's speaker waits before it exits.
 QUIET_EXIT_GRACE_S = 10.0
 
@@ -30,6 +36,12 @@ def speaks_for_launch() -> bool:
     """Whether this process speaks for its launch: torchrun's local rank 0 (one torchrun per node),
     or a process not started by torchrun."""
     return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def refuse_once_per_launch(message: str, status: int = 2):
+    """Ends the process with one line, printed by the launch's speaker only, as `run_entry` ends it for
+    a refusal that is the same on every process (argparse's refusals: `arguments.OneLineParser`)."""
+    _fail(message, status, quiet=not speaks_for_launch())
 
 
 def _fail(message: str, status: int, hard: bool = False, quiet: bool = False):
@@ -52,7 +64,8 @@ def run_entry(main, agreed=()):
     with one line naming the problem instead of a traceback on every rank. `agreed`: exception
     types that `main` raises alike on every rank (checks of the same command line and files, or
     agreed by a collective): their line is printed once per launch (`speaks_for_launch`), the
-    other processes exit with the same status quietly."""
+    other processes exit with the same status quietly (UsageError always is)."""
+    agreed = (UsageError, *agreed)
     run_guard.die_with_launcher()
     try:
         main()

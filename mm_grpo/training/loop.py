@@ -11,6 +11,9 @@ finite check agreed by all ranks, the optimizer step, the LR-scheduler step. Min
 image grids every --save-image-interval, checkpoints every --save-interval and at the end
 (never of a skipped iteration); --max-skipped-iterations skipped in a row stop the run. The save
 folder is locked and probed before the first rollout (mm_grpo/training/run_guard.py).
+--exit-signal-handler and --exit-duration-in-mins stop it early, the iteration just done saved
+(mm_grpo/training/preemption.py). A checkpoint records the trainer's batch sizes, so that a resume
+that changes them says so in one line.
 """
 import json
 import math
@@ -27,6 +30,9 @@ from mm_grpo.parallel.state import dp_mean
 from mm_grpo.training import run_guard
 from mm_grpo.training.checkpointing import load_checkpoint, save_checkpoint
 from mm_grpo.training.logging_utils import TrainLogger, is_logging_rank
+from mm_grpo.training.preemption import ExitGuard, check_exit_args
+
+BATCH_SIZES_KEY = "batch_sizes"  # a checkpoint's {flag: value} of TrainingRun.batch_sizes()
 
 
 def all_finite(loss: float, ddp_chunks) -> bool:
@@ -86,13 +92,19 @@ class TrainingRun:
 
     def __init__(self, args):
         self.args = args
+        check_exit_args(args)
         checksum.set_verify(not args.no_verify)  # before any checkpoint is read
         self.start_iteration = 0
         self.evaluations = {}  # iteration -> held-out stats, across resumes (checkpointed)
         self.first_eval = self.last_eval = None  # this run's first and last EvalResult
+        self.stopped = None  # the preemption.Stop that ended the run early
 
     def step(self, iteration: int) -> Dict:
         raise NotImplementedError
+
+    def batch_sizes(self) -> Dict[str, int]:
+        """Flag -> value of the sizes that shape an iteration (recorded in each checkpoint)."""
+        return {}
 
     def evaluated_policy(self):
         """The model chunks the held-out evaluation scores (the policy, or its EMA)."""
@@ -111,47 +123,71 @@ class TrainingRun:
         lock = run_guard.prepare_save_folder(args.save, run_guard.checkpoint_bytes(self.model.chunks)) \
             if args.save else None
         skips = run_guard.SkipGuard(args.max_skipped_iterations)
+        exits = ExitGuard.from_args(args, next(self.model.chunks[0].parameters()).device)
         logger = TrainLogger(args.tensorboard_dir, args.train_iters, self.start_iteration,
                              progress_bar=not args.no_progress_bar, log_interval=args.log_interval)
         history = []
         save_due, skipped, saved = False, False, None
         try:
-            if self.evaluator and args.eval_interval and self.start_iteration < args.train_iters:
-                self.evaluate(self.start_iteration, logger)  # before training
-            for it in range(self.start_iteration, args.train_iters):
-                start = time.time()
-                stats = self.step(it)
-                stats["samples_per_second"] = self.settings.samples_per_iteration / (time.time() - start)
-                history.append(stats)
-                logger.log(it + 1, stats)
-                done = it + 1
-                skipped = skips.update(done, stats)
-                eval_due = bool(args.eval_interval) and (done % args.eval_interval == 0 or done == args.train_iters)
-                image_due = bool(args.save_image_interval) and done % args.save_image_interval == 0
-                if (eval_due or image_due) and self.evaluator:
-                    result = self.evaluate(done, logger, log_stats=eval_due, save_images=image_due)
-                    if eval_due:
-                        stats.update(result.stats)
-                # A skipped iteration is not saved: the save waits for the next completed one.
-                save_due = save_due or bool(args.save and args.save_interval and done % args.save_interval == 0)
-                if save_due and not skipped:
-                    self.save(done)
-                    save_due, saved = False, done
-            ran = self.start_iteration < args.train_iters  # a resume past --train-iters trains nothing
-            if args.save and ran and saved != args.train_iters:
-                if skipped:
-                    if dist.get_rank() == 0:
-                        print(f"mm-grpo: warning: iteration {args.train_iters} was skipped: not saved, "
-                              f"{args.save} keeps its latest checkpoint", flush=True)
-                else:
-                    self.save(args.train_iters)
-            if ran:
-                self.finish()
+            with exits:
+                if self.evaluator and args.eval_interval and self.start_iteration < args.train_iters:
+                    self.evaluate(self.start_iteration, logger)  # before training
+                for it in range(self.start_iteration, args.train_iters):
+                    start = time.time()
+                    stats = self.step(it)
+                    stats["samples_per_second"] = self.settings.samples_per_iteration / (time.time() - start)
+                    history.append(stats)
+                    logger.log(it + 1, stats)
+                    done = it + 1
+                    skipped = skips.update(done, stats)
+                    eval_due = bool(args.eval_interval) and (done % args.eval_interval == 0 or done == args.train_iters)
+                    image_due = bool(args.save_image_interval) and done % args.save_image_interval == 0
+                    if (eval_due or image_due) and self.evaluator:
+                        result = self.evaluate(done, logger, log_stats=eval_due, save_images=image_due)
+                        if eval_due:
+                            stats.update(result.stats)
+                    # A skipped iteration is not saved: the save waits for the next completed one.
+                    save_due = save_due or bool(args.save and args.save_interval and done % args.save_interval == 0)
+                    if save_due and not skipped:
+                        self.timed_save(done, exits)
+                        save_due, saved = False, done
+                    self.stopped = exits.check(time.time() - start)
+                    if self.stopped:
+                        self.stop_early(done, skipped, saved, exits)
+                        break
+                ran = self.start_iteration < args.train_iters  # a resume past --train-iters trains nothing
+                if args.save and ran and saved != args.train_iters and not self.stopped:
+                    if skipped:
+                        if dist.get_rank() == 0:
+                            print(f"mm-grpo: warning: iteration {args.train_iters} was skipped: not saved, "
+                                  f"{args.save} keeps its latest checkpoint", flush=True)
+                    else:  # still under the handler: a stop signal now does not cut this save short
+                        self.save(args.train_iters)
+                if ran and not self.stopped:
+                    self.finish()
         finally:
             logger.close()
             if lock is not None:
                 lock.release()
         return history
+
+    def timed_save(self, iteration, exits):
+        start = time.time()
+        self.save(iteration)
+        exits.saved(time.time() - start)
+
+    def stop_early(self, done, skipped, saved, exits):
+        """The iteration just done saved (unless it was skipped, or saved already), said in one line."""
+        args = self.args
+        if skipped:
+            kept = f"which was skipped: not saved, {args.save} keeps its latest checkpoint"
+        else:
+            if saved != done:
+                self.timed_save(done, exits)
+            kept = f"saved in {args.save}"
+        if dist.get_rank() == 0:
+            print(f"mm-grpo: {self.stopped.describe(args.exit_duration_in_mins)}: stopped after iteration {done} of "
+                  f"{args.train_iters}, {kept}; resume with --load {args.save}", flush=True)
 
     # --- evaluation ---------------------------------------------------------------------
     def evaluate(self, iteration, logger=None, log_stats=True, save_images=False):
@@ -183,7 +219,8 @@ class TrainingRun:
         m = self.model
         lora = {"lora": m.lora} if m.lora else {}
         save_checkpoint(self.args.save, iteration, m.chunks, m.optimizer, m.scheduler, m.meta, m.weights,
-                        {"iteration": iteration, "evaluations": self.evaluations, **lora, **self.checkpoint_extras()})
+                        {"iteration": iteration, "evaluations": self.evaluations, BATCH_SIZES_KEY: self.batch_sizes(),
+                         **lora, **self.checkpoint_extras()})
 
     def resume(self) -> Dict:
         """Weights, optimizer, scheduler, RNG, iteration and evaluations from --load; the other extras."""
@@ -192,4 +229,14 @@ class TrainingRun:
                                                       load_optim=not args.no_load_optim,
                                                       load_rng=not args.no_load_rng)
         self.evaluations = dict(extra.get("evaluations", {}))
+        self.say_changed_sizes(extra.get(BATCH_SIZES_KEY) or {})
         return extra
+
+    def say_changed_sizes(self, saved: Dict[str, int]):
+        """One line when this run's batch sizes differ from those its checkpoint was saved with (a resume
+        may change them on purpose; the iterations after it then differ from an uninterrupted run's)."""
+        changed = {flag: value for flag, value in self.batch_sizes().items() if saved.get(flag, value) != value}
+        if changed and dist.get_rank() == 0:
+            print(f"mm-grpo: {self.args.load} (iteration {self.start_iteration}) was saved with "
+                  + " ".join(f"{flag} {saved[flag]}" for flag in changed) + "; this run goes on with "
+                  + " ".join(f"{flag} {value}" for flag, value in changed.items()), flush=True)

@@ -163,7 +163,8 @@ class FlowRun(ConfiguredRun):
         from mm_grpo.data import read_prompts
         from mm_grpo.rewards.combined import CombinedReward
         from mm_grpo.rollout import sigma_schedule
-        from mm_grpo.training.evaluation import Evaluator
+        from mm_grpo.training.evaluation import Evaluator, eval_settings
+        samples_per_prompt, seed = eval_settings(params)
         prompts = read_prompts(params["eval_prompt_file"])[:self.args.eval_prompts]
         reward = CombinedReward.from_configs(self.model_cfg["reward"], device=self.device)
         reward.check_prompts(prompts)  # before training, not at the first evaluation
@@ -171,7 +172,7 @@ class FlowRun(ConfiguredRun):
             prompts, self.features.text, flux_parts.decoder(self.model_cfg["ae"], self.device, torch.float32), reward,
             sigma_schedule(self.args.num_inference_steps, self.args.sigma_shift).to(self.device),
             FluxDenoiser(self.size, self.size, self.flux_config.in_channels, self.settings.guidance.guidance_scale),
-            self.size, self.size, params.get("eval_samples_per_prompt", 1), seed=params.get("eval_seed", 0), device=self.device)
+            self.size, self.size, samples_per_prompt, seed=seed, device=self.device)
 
     # --- data -------------------------------------------------------------------------
     def local_samples(self, iteration: int) -> range:
@@ -211,6 +212,10 @@ class FlowRun(ConfiguredRun):
                 for i in range(0, len(samples), mbs)]
 
     # --- training ---------------------------------------------------------------------
+    def batch_sizes(self):
+        return {"--global-batch-size": self.settings.global_batch_size,
+                "--micro-batch-size": self.settings.micro_batch_size}
+
     @staticmethod
     def loss_fn(v, mb):
         return flow_matching_loss(v, mb["x0"], mb["noise"]).mean(), {}

@@ -121,6 +121,11 @@ class GRPORun(ConfiguredRun):
         self.train_rewards.append(stats.get("reward/mean", math.nan))
         return stats
 
+    def batch_sizes(self):
+        s = self.settings
+        return {"--prompts-per-iteration": s.prompts_per_iteration, "--num-generations": s.num_generations,
+                "--micro-batch-size": s.micro_batch_size}
+
     def checkpoint_extras(self):
         extras = {"consumed_prompts": self.prompts.consumed, "train_rewards": self.train_rewards}
         if self.ema is not None:  # this rank's chunks: each TP x PP shard holds its own

@@ -1,5 +1,6 @@
 """A flaky cluster under torchrun (2 processes, gloo): a killed launcher takes its workers with it,
-a hung rank ends the job within the timeout. Slow by nature (each waits for a kill or a timeout,
+a hung rank ends the job within the timeout, a SIGTERM to one rank stops every rank at the same saved
+iteration (--exit-signal-handler). Slow by nature (each waits for a kill or a timeout,
 ~1-2 min): marked `slow`; docs/reliability.md has the measured figures."""
 import os
 import re
@@ -13,6 +14,7 @@ import pytest
 from mm_grpo.files.lock import LOCK_FILE, is_dead_local_owner
 from tests.distributed.conftest import REPO
 from tests.grpo_helpers import grpo_argv, write_configs
+from tests.test_run_trainer import children, running
 from tests.testbed import has_megatron_training, subprocess_env
 
 pytestmark = pytest.mark.slow
@@ -33,23 +35,6 @@ def _torchrun(args, log):
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _children(pid):
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except FileNotFoundError:
-        return []
-
-
-def _running(pid):
-    """Alive and not a zombie (a dead child nobody has reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_killing_the_launcher_group_stops_every_worker(tiny_pipeline_dir, tmp_path):
     model, data = write_configs(tmp_path / "cfg", tiny_pipeline_dir)
     save = tmp_path / "ckpt"
@@ -62,12 +47,12 @@ def test_killing_the_launcher_group_stops_every_worker(tiny_pipeline_dir, tmp_pa
         while not (save / TRACKER).exists():  # training and saving
             assert launcher.poll() is None and time.time() < deadline, (tmp_path / "torchrun.log").read_text()[-3000:]
             time.sleep(0.5)
-        workers = _children(launcher.pid)
+        workers = children(launcher.pid)
         assert len(workers) >= 2  # the two ranks (torch 2.7's launcher may hold a helper process too)
         os.killpg(launcher.pid, signal.SIGKILL)  # what a scheduler or the OOM killer does to the job
         launcher.wait()
         time.sleep(3)
-        assert [w for w in workers if _running(w)] == []
+        assert [w for w in workers if running(w)] == []
         tracker = (save / TRACKER).read_text()
         time.sleep(10)  # an orphan would save an iteration every ~2 s
         assert (save / TRACKER).read_text() == tracker
@@ -75,7 +60,7 @@ def test_killing_the_launcher_group_stops_every_worker(tiny_pipeline_dir, tmp_pa
         assert is_dead_local_owner(holder), holder
     finally:
         for pid in workers:  # the workers this test started, should they have survived
-            if _running(pid):
+            if running(pid):
                 os.kill(pid, signal.SIGKILL)
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
@@ -102,3 +87,41 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path):
     assert lines[0].startswith("mm-grpo: error: rank 0: collective all_reduce timed out in dp_reduce "
                                "(mm_grpo/parallel/state.py:"), lines[0]
     assert "Timed out waiting 60000ms" in lines[0]
+
+
+def _rank_of(pid):
+    with open(f"/proc/{pid}/environ") as f:
+        return int(next(v[len("RANK="):] for v in f.read().split("\0") if v.startswith("RANK=")))
+
+
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_iteration_saved(tiny_pipeline_dir, tmp_path):
+    """--exit-signal-handler with the signal on rank 1 only (a node that is preempted first): after the
+    iteration in progress every rank learns of it, all save that iteration, and the job exits 0."""
+    model, data = write_configs(tmp_path / "cfg", tiny_pipeline_dir)
+    save, log_path = tmp_path / "ckpt", tmp_path / "torchrun.log"
+    argv = grpo_argv(model, data, iters=1000, extra=["--save", str(save), "--exit-signal-handler",
+                                                     "--log-interval", "1"])
+    with open(log_path, "w") as log:
+        launcher = _torchrun(["-m", "mm_grpo.training.train_grpo", *argv], log)
+    workers = []
+    try:
+        deadline = time.time() + 300
+        while not re.search(r"^iteration +1 \|", log_path.read_text(), re.M):
+            assert launcher.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        workers = children(launcher.pid)
+        rank1, = [w for w in workers if _rank_of(w) == 1]
+        os.kill(rank1, signal.SIGTERM)
+        rc = launcher.wait(timeout=120)
+    finally:
+        for pid in workers:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    text = log_path.read_text()
+    assert rc == 0 and not any(running(w) for w in workers), text[-3000:]
+    done = int(re.findall(r"^iteration +(\d+) \|", text, re.M)[-1])
+    assert text.count(f"mm-grpo: SIGTERM received (--exit-signal-handler): stopped after iteration {done} of 1000, "
+                      f"saved in {save}; resume with --load {save}") == 1, text[-3000:]
+    assert sorted(os.listdir(save)) == [f"iter_{done:07d}", TRACKER] and (save / TRACKER).read_text() == str(done)

@@ -12,11 +12,11 @@
 # The batch is PROMPTS prompts per iteration x G generations; the entry derives Megatron's
 # --global-batch-size from it (the (generation, trained step) rows of an optimizer step, grpo/batch.py).
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-source "$HERE/launch_env.sh"  # CANN, MindSpeed-MM's exports, torchrun's sizes (NPUS_PER_NODE, ...)
-source "$HERE/../../../shell/run_trainer.sh"  # run_trainer: the entry's exit status and one-line error last
+source "$HERE/launch_env.sh"  # CANN, MindSpeed-MM's exports, torchrun's sizes, run_trainer (shell/run_trainer.sh)
 
 TP=${TP:-1}
 CP=${CP:-1}
+check_layout TP CP
 DP=$(($WORLD_SIZE/$TP/$CP))
 MBS=${MBS:-1}
 G=${G:-12}           # generations per prompt
@@ -26,6 +26,16 @@ TRAIN_ITERS=${TRAIN_ITERS:-300}
 LR=${LR:-1e-5}
 SEED=${SEED:-42}
 KL_BETA=${KL_BETA:-0}
+SAVE_INTERVAL=${SAVE_INTERVAL:-50}
+EVAL_INTERVAL=${EVAL_INTERVAL:-50}
+EVAL_PROMPTS=${EVAL_PROMPTS:-8}
+MAX_SKIPPED=${MAX_SKIPPED:-10}
+check_whole_numbers 1 MBS G STEPS PROMPTS EVAL_PROMPTS
+check_whole_numbers 0 TRAIN_ITERS SEED SAVE_INTERVAL EVAL_INTERVAL MAX_SKIPPED
+# 1: SIGTERM or Ctrl-C to this script saves the iteration in progress (at a rollout's end), then ends the job
+# (Megatron's --exit-signal-handler; the script exits 143 / 130); 0: ends it at once
+EXIT_SIGNAL_HANDLER=${EXIT_SIGNAL_HANDLER:-1}
+check_one_of EXIT_SIGNAL_HANDLER 0 1
 
 MINDSPEED_MM=${MINDSPEED_MM:?set MINDSPEED_MM to your MindSpeed-MM checkout}
 MM_MODEL=${MM_MODEL:-$HERE/grpo_model.json}
@@ -73,19 +83,20 @@ GRPO_ARGS="
     --timestep-fraction ${TIMESTEP_FRACTION:-0.6} \
     --clip-range ${CLIP:-1e-4} \
     --kl-beta ${KL_BETA} \
-    --max-skipped-iterations ${MAX_SKIPPED:-10} \
-    --eval-prompts ${EVAL_PROMPTS:-8} \
+    --max-skipped-iterations ${MAX_SKIPPED} \
+    --eval-prompts ${EVAL_PROMPTS} \
 "
 
 OUTPUT_ARGS="
     --log-interval 1 \
-    --save-interval ${SAVE_INTERVAL:-50} \
-    --eval-interval ${EVAL_INTERVAL:-50} \
+    --save-interval ${SAVE_INTERVAL} \
+    --eval-interval ${EVAL_INTERVAL} \
     --load $LOAD_PATH \
     --save $SAVE_PATH \
     --tensorboard-dir $TENSORBOARD_DIR \
     --ckpt-format torch \
 "
+[ "$EXIT_SIGNAL_HANDLER" = 1 ] && OUTPUT_ARGS="$OUTPUT_ARGS --exit-signal-handler"
 
 logfile=$(date +%Y%m%d)_$(date +%H%M%S)
 cd "$MINDSPEED_MM"

@@ -23,14 +23,18 @@
 #                  stage), micro-batch, gradient accumulation, iterations (5000)
 #   PRECISION      bf16 (default) | fp32;  DIST_BACKEND  nccl (default) | gloo
 #   MM_GRPO_ASCEND the Ascend folder whose CANN set_env.sh is sourced (/usr/local/Ascend)
+#   EXIT_SIGNAL_HANDLER  1 (default): SIGTERM or Ctrl-C to this script saves the iteration in progress, then
+#                  ends the job (Megatron's --exit-signal-handler; the script exits 143 / 130); 0: ends it at once
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-source "$HERE/launch_env.sh"  # CANN, MindSpeed-MM's exports, torchrun's sizes (NPUS_PER_NODE, ...)
+source "$HERE/launch_env.sh"  # CANN, MindSpeed-MM's exports, torchrun's sizes, run_trainer (shell/run_trainer.sh)
 
 TP=${TP:-1}
 PP=${PP:-2}   # pretrain_model.json's pipeline_num_layers has one entry per stage
 CP=${CP:-1}
 MBS=${MBS:-1}
 GRAD_ACC_STEP=${GRAD_ACC_STEP:-1}
+check_layout TP PP CP
+check_whole_numbers 1 MBS GRAD_ACC_STEP
 DP=$(($WORLD_SIZE/$TP/$PP/$CP))
 GBS=$(($MBS*$GRAD_ACC_STEP*$DP))
 
@@ -42,6 +46,9 @@ LOAD_PATH=${LOAD_PATH:-"ckpt/flux_dev_tp${TP}_pp${PP}"}
 SAVE_PATH=${SAVE_PATH:-"save/flux_pretrain"}
 LOG_DIR=${LOG_DIR:-logs}
 TRAIN_ITERS=${TRAIN_ITERS:-5000}
+check_whole_numbers 0 TRAIN_ITERS
+EXIT_SIGNAL_HANDLER=${EXIT_SIGNAL_HANDLER:-1}
+check_one_of EXIT_SIGNAL_HANDLER 0 1
 # bf16 (Megatron's --bf16) or fp32; a CPU takes fp32 only (megatron-core's linear layers restore
 # CUDA's autocast in their backward, not the CPU's), with "dtype": "fp32" in MM_MODEL's predictor
 PRECISION=${PRECISION:-bf16}
@@ -93,12 +100,13 @@ OUTPUT_ARGS="
     --save $SAVE_PATH \
     --ckpt-format torch \
 "
+[ "$EXIT_SIGNAL_HANDLER" = 1 ] && OUTPUT_ARGS="$OUTPUT_ARGS --exit-signal-handler"
 
 logfile=$(date +%Y%m%d)_$(date +%H%M%S)
 cd "$MINDSPEED_MM"
 mkdir -p "$LOG_DIR"
-torchrun $DISTRIBUTED_ARGS -m mm_grpo.mindspeed_mm.run pretrain_sora.py \
+# shellcheck disable=SC2086
+run_trainer "$LOG_DIR/train_${logfile}.log" torchrun $DISTRIBUTED_ARGS -m mm_grpo.mindspeed_mm.run pretrain_sora.py \
     $GPT_ARGS \
     $MM_ARGS \
-    $OUTPUT_ARGS \
-    2>&1 | tee "$LOG_DIR/train_${logfile}.log"
+    $OUTPUT_ARGS
