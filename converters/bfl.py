@@ -15,7 +15,8 @@ from typing import Iterator, Tuple
 import torch
 
 from mm_grpo.families.flux.transformer.config import FluxConfig
-from mm_grpo.families.flux.transformer.hf_weights import SafetensorsWeights, expected_hf_shapes
+from mm_grpo.families.flux.transformer.hf_weights import expected_hf_shapes
+from mm_grpo.files.safetensors_weights import SafetensorsWeights
 
 PREFIX = "model.diffusion_model."  # full ComfyUI / ldm-style checkpoints nest the transformer here
 

@@ -13,7 +13,7 @@ import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 
 from mm_grpo.checkpoint.shard_io import write_tensor_at
-from mm_grpo.families.flux.transformer.hf_weights import SAFETENSORS_DTYPES
+from mm_grpo.files.safetensors_weights import SAFETENSORS_DTYPES
 from mm_grpo.files.atomic import atomic_write_text
 
 WEIGHTS_PATTERN = "diffusion_pytorch_model{suffix}.safetensors"

@@ -34,10 +34,10 @@ from mm_grpo.checkpoint.paths import RELEASE, TRACKER_FILE
 from mm_grpo.families.flux.checkpoint import CheckpointMeta, MegatronCheckpoint
 from mm_grpo.families.flux.transformer import layout
 from mm_grpo.families.flux.transformer.config import PRESETS, FluxConfig
-from mm_grpo.families.flux.transformer.hf_weights import (SafetensorsWeights, check_hf_weights, open_diffusers_weights,
-                                            transformer_dir)
+from mm_grpo.families.flux.transformer.hf_weights import check_hf_weights, open_diffusers_weights, transformer_dir
 from mm_grpo.files.atomic import atomic_dir, atomic_entries
 from mm_grpo.files.jsonfile import load_json
+from mm_grpo.files.safetensors_weights import SafetensorsWeights
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_SHARD_SIZE = "10GB"  # diffusers' save_pretrained default

@@ -23,9 +23,10 @@ import torch.nn.functional as F
 def attention_torch(q, k, v, key_mask=None):
     """Softmax attention, [B, H, S, d] in and out.
 
-    FLUX attends to everything; `key_mask` [S_k] (bool, True = attend) only drops the
-    padding that sequence parallelism adds when the token count does not divide."""
-    mask = None if key_mask is None else key_mask[None, None, None, :]
+    `key_mask` (bool, True = attend) drops keys: [S_k] for every sample (the padding sequence
+    parallelism adds when the token count does not divide), or [B, S_k] per sample (a family's
+    padded text tokens, Qwen-Image's). None attends to every key (FLUX)."""
+    mask = None if key_mask is None else key_mask.unsqueeze(-2).unsqueeze(-2)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -153,8 +154,13 @@ def _npu_kernels(torch_npu):
             # does for torch's attention: run it in the autocast dtype, as the torch version runs.
             dtype = torch.get_autocast_dtype(device)
             q, k, v = (t.to(dtype) for t in (q, k, v))
-        # npu_fusion_attention's mask is the opposite of torch's: True = masked out, [S_q, S_k].
-        mask = None if key_mask is None else (~key_mask).expand(q.shape[2], -1).contiguous()
+        # npu_fusion_attention's mask is the opposite of torch's: True = masked out, [S_q, S_k] for
+        # every sample or [B, 1, S_q, S_k] per sample.
+        mask = None
+        if key_mask is not None and key_mask.ndim == 1:
+            mask = (~key_mask).expand(q.shape[2], -1).contiguous()
+        elif key_mask is not None:
+            mask = (~key_mask)[:, None, None, :].expand(-1, 1, q.shape[2], -1).contiguous()
         return torch_npu.npu_fusion_attention(
             q, k, v, heads, input_layout="BNSD", atten_mask=mask,
             scale=1.0 / math.sqrt(head_dim), keep_prob=1.0)[0]

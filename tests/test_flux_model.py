@@ -125,7 +125,7 @@ def test_linears_compute_in_the_activations_dtype(parallel_1proc):
     tensor-parallel path (`layers._megatron`) runs under autocast to the activations' dtype and comes
     back in it. `forward_parts` equals the GEMM over the concatenation."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from mm_grpo.families.flux.transformer import layers
+    from mm_grpo import layers
     from mm_grpo.families.flux.transformer.model import transformer_config
     tconfig = transformer_config(TINY)
     column, row = layers.column_linear(16, 24, tconfig), layers.row_linear(24, 16, tconfig)

@@ -295,18 +295,29 @@ def test_npu_calls_keep_the_contracts(parallel_1proc, monkeypatch, torch_npu, np
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("padded", [False, True], ids=["full", "padded-keys"])
-def test_npu_attention_matches_torch(monkeypatch, torch_npu, npu, dtype, padded):
-    """With the padding mask sequence parallelism adds: torch's True = attend becomes the kernel's
-    True = masked out, [S_q, S_k]."""
+@pytest.mark.parametrize("masked", ["full", "padded-keys", "per-sample"])
+def test_npu_attention_matches_torch(monkeypatch, torch_npu, npu, dtype, masked):
+    """With the padding mask sequence parallelism adds ([S_k]: torch's True = attend becomes the
+    kernel's True = masked out, [S_q, S_k]) and a per-sample one ([B, S_k], Qwen-Image's padded text:
+    [B, 1, S_q, S_k])."""
     q, k, v = (_randn(2, 3, 9, 16, seed=i, dtype=dtype) for i in range(3))
-    key_mask = torch.arange(9) < 7 if padded else None
+    key_mask = {"full": None, "padded-keys": torch.arange(9) < 7,
+                "per-sample": torch.arange(9) < torch.tensor([[4], [8]])}[masked]
     calls = _recorded(monkeypatch, torch_npu)
     out = kernels.attention(q, k, v, key_mask)
     expected = kernels.attention_torch(q, k, v, key_mask)
     assert out.dtype == expected.dtype == dtype and rel_err(out, expected) <= TOL[dtype]
     mask = calls[0][2]["atten_mask"]
-    assert mask is None if not padded else torch.equal(mask, ~key_mask.expand(9, 9))
+    if masked == "full":
+        assert mask is None
+    elif masked == "padded-keys":
+        assert torch.equal(mask, ~key_mask.expand(9, 9))
+    else:
+        assert torch.equal(mask, ~key_mask[:, None, None, :].expand(2, 1, 9, 9))
+        # the first sample's queries see its 4 keys only: changing the others changes nothing of it
+        k2 = k.clone()
+        k2[0, :, 4:] += 1
+        assert torch.equal(kernels.attention(q, k2, v, key_mask)[0], out[0])
 
 
 def test_npu_attention_under_autocast_runs_in_the_autocast_dtype(monkeypatch, torch_npu, npu):

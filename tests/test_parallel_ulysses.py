@@ -78,3 +78,17 @@ def test_masked_attention_ignores_padded_keys():
     mask = torch.arange(12) < 10
     out = kernels.attention_torch(pad(q), pad(k), pad(v), key_mask=mask)
     assert torch.allclose(out[:, :, :10], expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_txt,n_img,size", [(7, 15, 4), (8, 16, 4), (5, 12, 1)])
+def test_a_per_sample_text_mask_follows_the_text_tokens_into_the_gathered_order(n_txt, n_img, size):
+    """Qwen-Image's prompts of different lengths in one batch: each sample's key mask keeps its own
+    text tokens and every image token, in the all-to-all's order, and drops SP's padding."""
+    lengths = torch.tensor([n_txt, 2, 0])  # a full prompt, a short one, an empty one
+    txt_mask = torch.arange(n_txt) < lengths[:, None]
+    seq = torch.arange(1, n_txt + n_img + 1)
+    gathered = torch.cat([SequenceShard(n_txt, n_img, size, r).joint(seq) for r in range(size)])
+    mask = SequenceShard(n_txt, n_img, size, 0).key_mask(txt_mask=txt_mask)
+    real = gathered > 0
+    attended = real & ((gathered > n_txt) | (gathered <= lengths[:, None]))
+    assert mask.shape == (3, len(gathered)) and torch.equal(mask, attended)

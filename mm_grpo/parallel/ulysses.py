@@ -1,4 +1,5 @@
-"""Ulysses sequence parallelism for FLUX's joint attention, on Megatron's context-parallel group.
+"""Ulysses sequence parallelism for an MMDiT's joint attention (FLUX's, Qwen-Image's), on Megatron's
+context-parallel group.
 
 Each SP rank holds a contiguous piece of the text tokens and a contiguous piece of the
 image tokens: [text piece r ; image piece r]. Both streams are padded to a multiple of the
@@ -17,6 +18,7 @@ import dataclasses
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import all_to_all, gather_from_sequence_parallel_region
 
@@ -81,15 +83,20 @@ class SequenceShard:
         txt, img = t.split([self.n_txt, self.n_img], dim=dim)
         return torch.cat([self.txt(txt, dim), self.img(img, dim)], dim=dim)
 
-    def key_mask(self, device=None) -> Optional[torch.Tensor]:
-        """[size * local_len] bool, True for real tokens, in the order of the gathered sequence;
-        None when nothing is padded (so attention keeps its unmasked, fastest kernel)."""
-        if not self.padded:
+    def key_mask(self, device=None, txt_mask=None) -> Optional[torch.Tensor]:
+        """The keys attention reads, True for real tokens, in the order of the gathered sequence:
+        [size * local_len] bool, or with `txt_mask` [B, n_txt] (True = a text token to attend to;
+        Qwen-Image pads its prompts) [B, size * local_len] per sample. None when no token is padded
+        or masked (so attention keeps its unmasked, fastest kernel)."""
+        if txt_mask is None and not self.padded:
             return None
         ranks = torch.arange(self.size, device=device)[:, None]
-        txt = ranks * self.txt_len + torch.arange(self.txt_len, device=device) < self.n_txt
         img = ranks * self.img_len + torch.arange(self.img_len, device=device) < self.n_img
-        return torch.cat([txt, img], dim=1).flatten()
+        if txt_mask is None:
+            txt = ranks * self.txt_len + torch.arange(self.txt_len, device=device) < self.n_txt
+            return torch.cat([txt, img], dim=1).flatten()
+        txt = F.pad(txt_mask.bool(), (0, self.size * self.txt_len - self.n_txt)).unflatten(1, (self.size, -1))
+        return torch.cat([txt, img.expand(len(txt), -1, -1)], dim=2).flatten(1)
 
     def gather_img(self, t):
         """[img_len, ...] pieces of all SP ranks -> the whole image sequence [n_img, ...].

@@ -42,7 +42,7 @@ def run_configs(args) -> RunConfigs:
     model = components.resolve_paths(args.mm_model_config, folder(args.mm_model))
     data = components.resolve_paths(args.mm_data_config, folder(args.mm_data))
     if args.bf16 and get_platform().name == "cpu" and args.tensor_model_parallel_size > 1:
-        # On one TP rank the linears compute their GEMMs themselves (families/flux/transformer/layers.py).
+        # On one TP rank the linears compute their GEMMs themselves (mm_grpo/layers.py).
         raise ValueError("--bf16 with --tensor-model-parallel-size > 1 needs an accelerator: megatron-core's "
                          "tensor-parallel linears restore CUDA autocast in their backward, so bf16 autocast fails "
                          "on CPU (train in fp32 there, or with TP 1)")

@@ -31,6 +31,7 @@ CHECK_MODULES = [
     "tests.distributed.checks_convert",
     "tests.distributed.checks_grpo",
     "tests.distributed.checks_flow",
+    "tests.distributed.checks_qwen_image",
 ]
 if has_megatron_training():  # MindSpeed-MM's environment
     CHECK_MODULES.append("tests.distributed.checks_mindspeed_mm")  # the real PredictModel

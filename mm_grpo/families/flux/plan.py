@@ -10,7 +10,7 @@ bytes of one value in the compute dtype (`activation_bytes`: 2 under --bf16).
 
 What the trainer holds (mm_grpo/training/optim.py, trainable.py, grpo/schedule.py):
 - parameters in fp32 (params_dtype fp32; under `--bf16` the model computes in bf16 and casts a
-  trainable fp32 weight to bf16 for each call, families/flux/transformer/layers.py `linear`) or bf16 (Megatron's
+  trainable fp32 weight to bf16 for each call, mm_grpo/layers.py `linear`) or bf16 (Megatron's
   --bf16 with fp32 master weights: `param_dtype="bf16"`, not mm-grpo's trainer today);
 - main gradients in fp32 (DDP `grad_reduce_in_fp32=True`), a full buffer on every rank;
 - Adam's two moments in fp32 (+ fp32 master weights for bf16 parameters), sharded over the
@@ -521,7 +521,7 @@ def vae_decode_flops(job: Job) -> float:
 
 def weight_traffic_bytes(config: FluxConfig, job: Job, layout: "Layout", samples: int) -> Dict[str, float]:
     """Bytes the weights move in each phase of one iteration on a rank, besides the FLOPs (hand count,
-    families/flux/transformer/layers.py `linear`, lora.py, training/optim.py), per parameter of the stage and pass
+    mm_grpo/layers.py `linear`, lora.py, training/optim.py), per parameter of the stage and pass
     of a micro-batch: a forward's GEMMs read every matrix once (c bytes: bf16 under --bf16; a
     trainable fp32 weight under --bf16 is first cast, 4 read + 2 written, so 8); a backward's input
     gradients read the (saved) copies again (c) and a trainable weight's gradient is written (c),

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from mm_grpo import kernels
-from mm_grpo.families.flux.transformer.layers import (
+from mm_grpo.layers import (
     MLP, QKV, CoreAttention, HeadRMSNorm, Modulation, column_linear, gated_residual, layer_norm, modulate,
     qk_norm_rope, row_linear, row_linear_parts, split_heads, tp_world_size)
 

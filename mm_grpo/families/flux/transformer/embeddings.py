@@ -3,7 +3,7 @@ import torch
 from diffusers.models.embeddings import get_1d_rotary_pos_embed, get_timestep_embedding
 from torch import nn
 
-from mm_grpo.families.flux.transformer.layers import dense
+from mm_grpo.layers import dense
 
 TIME_CHANNELS = 256  # sinusoid width for timestep and guidance
 

@@ -10,8 +10,6 @@ last stage gathers the output over the SP group; a pipeline stage that is not th
 reads the previous stage's tensor (`set_input_tensor`) and uses the inputs only for the
 token ids, and one that is not the last returns the packed stage tensor.
 """
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
@@ -25,8 +23,8 @@ from mm_grpo import kernels
 from mm_grpo.families.flux.transformer.blocks import DoubleStreamBlock, SingleStreamBlock
 from mm_grpo.families.flux.transformer.config import FluxConfig
 from mm_grpo.families.flux.transformer.embeddings import TimeTextEmbedding, rope_tables
-from mm_grpo.families.flux.transformer.layers import Modulation, dense, layer_norm, modulate
-from mm_grpo.parallel.ulysses import ULYSSES_CP_ALGO, SequenceShard
+from mm_grpo.layers import Modulation, dense, layer_norm, megatron_config, modulate
+from mm_grpo.parallel.ulysses import SequenceShard
 from mm_grpo.platform.adaptor import torch_compile_replaced
 
 
@@ -40,37 +38,14 @@ def check_parallel_sizes(config: FluxConfig, tp: int, cp: int = 1):
 
 def transformer_config(config: FluxConfig, params_dtype=torch.float32, **overrides) -> TransformerConfig:
     """The megatron-core TransformerConfig the parallel layers and schedules read."""
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    cp = parallel_state.get_context_parallel_world_size()
-    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    check_parallel_sizes(config, tp, cp)
-    from mm_grpo import get_platform
-    kwargs = dict(
+    check_parallel_sizes(config, parallel_state.get_tensor_model_parallel_world_size(),
+                         parallel_state.get_context_parallel_world_size())
+    # The stage tensor is the residual stream and silu(temb), both in the compute dtype.
+    return megatron_config(
         num_layers=config.num_blocks, hidden_size=config.hidden_size,
         num_attention_heads=config.num_attention_heads, kv_channels=config.attention_head_dim,
-        ffn_hidden_size=config.mlp_hidden_size,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
-        virtual_pipeline_model_parallel_size=vpp,
-        # The stage tensor is the residual stream and silu(temb), both in the compute dtype.
-        params_dtype=params_dtype, pipeline_dtype=compute_dtype(config, params_dtype),
-        bf16=config.bf16, use_cpu_initialization=get_platform().name == "cpu",
-        gradient_accumulation_fusion=False, sequence_parallel=False,
-        # With 2 stages the previous and the next stage are the same rank: batched p2p would
-        # put both directions on one communicator, where an activation and a gradient sent
-        # at once can be matched to each other's receive (seen with virtual stages on gloo).
-        # The unbatched path sends the two directions on two different groups.
-        batch_p2p_comm=pp != 2)
-    if hasattr(TransformerConfig.__init__, "__wrapped__"):
-        # MindSpeed's adaptor wraps __init__ and validates every config by its context-parallel
-        # algorithm and sequence length, taken from Megatron's or the process's command line where
-        # the config does not name them: ring attention by default, and no length at all in a
-        # trainer built from an argument list. FLUX's attention is Ulysses; its joint sequence
-        # changes with the resolution and SequenceShard pads it to a multiple of CP at every
-        # forward (the schedules get the real length per call): the length stated is that unit.
-        kwargs.update(context_parallel_algo=ULYSSES_CP_ALGO, seq_length=cp)
-    kwargs.update(overrides)
-    return TransformerConfig(**{**_field_defaults(), **kwargs})
+        ffn_hidden_size=config.mlp_hidden_size, params_dtype=params_dtype,
+        pipeline_dtype=compute_dtype(config, params_dtype), bf16=config.bf16, **overrides)
 
 
 def compute_dtype(config: FluxConfig, weight_dtype: torch.dtype = torch.float32) -> torch.dtype:
@@ -79,18 +54,6 @@ def compute_dtype(config: FluxConfig, weight_dtype: torch.dtype = torch.float32)
     converted them under MindSpeed-MM's --bf16). Norm statistics, RoPE and the timestep sinusoid
     run in fp32 inside their ops."""
     return torch.bfloat16 if config.bf16 else weight_dtype
-
-
-def _field_defaults() -> dict:
-    """Every TransformerConfig field at its default. Passed in full because MindSpeed's adaptor (on
-    Ascend) fills the fields a caller leaves out from the command line's Megatron arguments
-    (`TransformerConfig.__init__` patched by MegatronBasicFeature): under MindSpeed-MM's `pretrain`
-    that turned on overlap_p2p_comm, the fusions and one query group, none of which FLUX's config
-    says. Passing every field keeps the config FLUX's; MindSpeed's own flags still arrive as the extra
-    attributes its patched modules read (docs/adaptor.md)."""
-    return {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-            for f in dataclasses.fields(TransformerConfig)
-            if f.init and (f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)}
 
 
 class FinalLayer(nn.Module):

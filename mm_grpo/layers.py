@@ -1,8 +1,11 @@
-"""Tensor-parallel building blocks of the FLUX transformer (Ulysses SP in `CoreAttention`).
+"""The tensor-parallel building blocks a family's transformer is assembled from: megatron-core's
+column- and row-parallel linears (with the hook a LoRA adapter attaches to), adaLN modulation, the
+per-head RMSNorm of QK-norm, joint attention (Ulysses SP in `CoreAttention`) and the GELU MLP.
 
-Activations are [S, B, D] (Megatron's layout); heads are [S, B, H, d]. Which linear
-is column- or row-parallel is also declared, as data, in `layout.py`.
+Activations are [S, B, D] (Megatron's layout); heads are [S, B, H, d]. Which linear of a family is
+column- or row-parallel is also declared, as data, in its `layout.py`.
 """
+import dataclasses
 import inspect
 
 import torch
@@ -10,10 +13,12 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.transformer import TransformerConfig
 from torch import nn
 
 from mm_grpo import kernels
 from mm_grpo.parallel import ulysses
+from mm_grpo.parallel.ulysses import ULYSSES_CP_ALGO
 
 
 def _tp_group_kwargs() -> dict:
@@ -23,6 +28,49 @@ def _tp_group_kwargs() -> dict:
     if "group" in inspect.signature(copy_to_tensor_model_parallel_region).parameters:
         return {"group": parallel_state.get_tensor_model_parallel_group()}
     return {}
+
+
+def megatron_config(**fields) -> TransformerConfig:
+    """megatron-core's TransformerConfig of a transformer built from these layers at the current
+    parallel layout (parallel_state's TP / PP / CP / virtual PP sizes), `fields` its architecture and
+    dtypes (num_layers, hidden_size, num_attention_heads, kv_channels, ffn_hidden_size,
+    params_dtype, pipeline_dtype, bf16, overrides)."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    cp = parallel_state.get_context_parallel_world_size()
+    from mm_grpo import get_platform
+    kwargs = dict(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        use_cpu_initialization=get_platform().name == "cpu",
+        gradient_accumulation_fusion=False, sequence_parallel=False,
+        # With 2 stages the previous and the next stage are the same rank: batched p2p would
+        # put both directions on one communicator, where an activation and a gradient sent
+        # at once can be matched to each other's receive (seen with virtual stages on gloo).
+        # The unbatched path sends the two directions on two different groups.
+        batch_p2p_comm=pp != 2)
+    if hasattr(TransformerConfig.__init__, "__wrapped__"):
+        # MindSpeed's adaptor wraps __init__ and validates every config by its context-parallel
+        # algorithm and sequence length, taken from Megatron's or the process's command line where
+        # the config does not name them: ring attention by default, and no length at all in a
+        # trainer built from an argument list. The joint attention here is Ulysses; its joint sequence
+        # changes with the resolution and SequenceShard pads it to a multiple of CP at every
+        # forward (the schedules get the real length per call): the length stated is that unit.
+        kwargs.update(context_parallel_algo=ULYSSES_CP_ALGO, seq_length=cp)
+    kwargs.update(fields)
+    return TransformerConfig(**{**_field_defaults(), **kwargs})
+
+
+def _field_defaults() -> dict:
+    """Every TransformerConfig field at its default. Passed in full because MindSpeed's adaptor (on
+    Ascend) fills the fields a caller leaves out from the command line's Megatron arguments
+    (`TransformerConfig.__init__` patched by MegatronBasicFeature): under MindSpeed-MM's `pretrain`
+    that turned on overlap_p2p_comm, the fusions and one query group, none of which FLUX's config
+    says. Passing every field keeps the config the family's; MindSpeed's own flags still arrive as the extra
+    attributes its patched modules read (docs/adaptor.md)."""
+    return {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(TransformerConfig)
+            if f.init and (f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)}
 
 
 def _init_normal(weight):
@@ -66,7 +114,7 @@ def _megatron(forward, layer, x):
 
 def _with_adapter(layer, x, out):
     """`out` plus the layer's LoRA adapter's output on its input `x`, when it has one that is on
-    (mm_grpo/families/flux/transformer/lora.py)."""
+    (an `adapter` attribute with `enabled` and `add_to`: FLUX's is families/flux/transformer/lora.py)."""
     adapter = layer.__dict__.get("adapter")
     if adapter is None or not adapter.enabled:
         return out
@@ -191,7 +239,8 @@ class CoreAttention(nn.Module):
     Under Ulysses sequence parallelism (context-parallel size > 1) q/k/v hold this rank's
     piece of the sequence with all its (TP-local) heads: one all-to-all trades them for the
     whole sequence with heads / SP, a second one trades the output back (see
-    mm_grpo/parallel/ulysses.py). `key_mask` drops the padding SP adds (None: no padding)."""
+    mm_grpo/parallel/ulysses.py). `key_mask` [S] or per sample [B, S] (True = attend) drops the
+    padding SP adds and a family's padded text tokens (None: attend to every key)."""
 
     def __init__(self):
         super().__init__()

@@ -1,0 +1,68 @@
+"""Qwen-Image's transformer under TP and Ulysses SP against diffusers and the single-process model
+(fp32), with prompts of mixed lengths masked: the per-sample text mask must follow each rank's text
+tokens through the all-to-all (tests/test_qwen_image_model.py holds the one process to diffusers)."""
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from mm_grpo.families.qwen_image.transformer import QwenImageTransformer, layout
+from mm_grpo.families.qwen_image.transformer.hf_weights import load_hf_weights
+from mm_grpo.parallel import ParallelConfig, initialize_parallel
+from mm_grpo.parallel.state import STAT_DTYPE
+from tests.distributed.worker import check
+from tests.qwen_image_utils import TINY, make_inputs, random_reference, reference_output
+from tests.utils import rel_err
+
+
+def _world_max(value):
+    t = torch.tensor(float(value), dtype=STAT_DTYPE)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _grads_by_hf_name(model):
+    """Whole (TP-gathered) gradients keyed by diffusers' names; the unused last text tail left out."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    params = dict(model.named_parameters())
+    grads = {}
+    for rule in layout.stage_rules(TINY, model.block_range, model.pre_process, model.post_process):
+        grad = params[rule.megatron].grad
+        if grad is None:
+            continue
+        shards = [torch.empty_like(grad) for _ in range(group.size())]
+        dist.all_gather(shards, grad.contiguous(), group=group)
+        grads[rule.hf] = layout.unshard(rule, shards)
+    return grads
+
+
+def _layout_errors(parallel, inputs, seed):
+    ref = random_reference(TINY, seed=seed)
+    n_img = inputs["hidden_states"].shape[1]
+    weight = torch.randn(len(inputs["timestep"]), n_img, TINY.output_channels, generator=torch.Generator().manual_seed(1))
+    expected = reference_output(ref, inputs)
+    initialize_parallel(ParallelConfig())
+    single = load_hf_weights(QwenImageTransformer(TINY), ref.state_dict())
+    (single(**inputs) * weight).sum().backward()
+    ref_grads = _grads_by_hf_name(single)
+
+    initialize_parallel(parallel)
+    model = load_hf_weights(QwenImageTransformer(TINY), ref.state_dict())
+    out = model(**inputs)
+    (out * weight).sum().backward()  # the same loss on every SP rank, each back-propagates its tokens
+    for p in model.parameters():  # so the true gradient is the sum of the SP ranks' shares
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=parallel_state.get_context_parallel_group())
+    grads = _grads_by_hf_name(model)
+    return {"out_vs_diffusers": _world_max(rel_err(out.detach(), expected)),
+            "grad_err": _world_max(max(rel_err(g, ref_grads[n]) for n, g in grads.items())),
+            "same_grads": sorted(grads) == sorted(ref_grads), "n_grads": len(grads)}
+
+
+@check(4)
+def qwen_image_tp_sp_with_masked_text_match_single_process():
+    """TP2 x SP2 and SP4, each with 3 prompts of 7, 2 and 5 tokens (padded to 7: not a multiple of the
+    SP size, so SP pads the text too) on a 3 x 5 grid (15 image tokens: padded as well)."""
+    inputs = make_inputs(TINY, lengths=(7, 2, 5), height=3, width=5, seed=2)
+    return {name: _layout_errors(parallel, inputs, seed=4)
+            for name, parallel in (("tp2_sp2", ParallelConfig(tp=2, cp=2)), ("sp4", ParallelConfig(cp=4)),
+                                   ("tp4", ParallelConfig(tp=4)))}

@@ -1,0 +1,13 @@
+"""Qwen-Image under TP and Ulysses SP: the checks run in tests/distributed/checks_qwen_image.py."""
+from tests.distributed.conftest import check_result
+
+TOL = 1e-5
+
+
+def test_tp_and_sp_with_prompts_of_mixed_lengths_match_diffusers_and_the_single_process(torchrun):
+    m = check_result(torchrun(4), "qwen_image_tp_sp_with_masked_text_match_single_process")
+    assert set(m) == {"tp2_sp2", "sp4", "tp4"}
+    for name, errs in m.items():
+        assert errs["same_grads"] and errs["n_grads"] > 40, name
+        assert errs["out_vs_diffusers"] <= TOL, name
+        assert errs["grad_err"] <= TOL, name

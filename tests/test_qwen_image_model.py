@@ -1,0 +1,155 @@
+"""The Megatron Qwen-Image model against diffusers' QwenImageTransformer2DModel (fp32, CPU, one
+process): outputs and every parameter's gradient to 1e-5 with prompts of mixed lengths masked, on
+square and non-square grids; the padded text changes nothing; weights and configs refused in one line.
+Every parallel layout against this one process: tests/distributed/checks_qwen_image.py."""
+import json
+
+import pytest
+import torch
+
+from mm_grpo.families.qwen_image.transformer import QwenImageConfig, QwenImageTransformer
+from mm_grpo.families.qwen_image.transformer.hf_weights import load_hf_weights
+from tests.fixtures import parallel_1proc  # noqa: F401
+from tests.qwen_image_utils import TINY, hf_grads_as_megatron, make_inputs, random_reference, reference_output
+from tests.utils import assert_one_line_error, rel_err
+
+TOL = 1e-5
+# Another shape of head: 2 heads of 24 channels, rope axes (4, 10, 10), 3 blocks.
+NARROW = TINY.replace(num_attention_heads=2, attention_head_dim=24, axes_dims_rope=(4, 10, 10), num_layers=3)
+
+
+def _model(config, ref):
+    return load_hf_weights(QwenImageTransformer(config), ref.state_dict())
+
+
+@pytest.mark.parametrize("config", [TINY, NARROW], ids=["tiny", "narrow"])
+@pytest.mark.parametrize("lengths,height,width", [
+    ((5,), 4, 4), ((7, 3), 3, 5), ((1, 9, 4), 2, 7), ((6, 6), 6, 2)], ids=["one", "mixed", "three", "whole"])
+def test_forward_matches_diffusers(parallel_1proc, config, lengths, height, width):
+    ref = random_reference(config, seed=sum(lengths))
+    model = _model(config, ref)
+    inputs = make_inputs(config, lengths, height, width, seed=height)
+    with torch.no_grad():
+        expected = reference_output(ref, inputs)
+        out = model(**inputs)
+    assert out.shape == expected.shape == (len(lengths), height * width, config.output_channels)
+    assert rel_err(out, expected) <= TOL
+
+
+def test_every_gradient_matches_diffusers_with_masked_text(parallel_1proc):
+    ref = random_reference(TINY, seed=11)
+    model = _model(TINY, ref)
+    inputs = make_inputs(TINY, lengths=(6, 2), height=3, width=4)
+    weight = torch.randn(2, 12, TINY.output_channels)
+    (reference_output(ref, inputs) * weight).sum().backward()
+    (model(**inputs) * weight).sum().backward()
+    expected = hf_grads_as_megatron(ref, TINY)
+    params = dict(model.named_parameters())
+    assert set(params) == set(expected)
+    # the last block's text projection and MLP feed nothing: no gradient, on both sides
+    unused = {n for n, g in expected.items() if g is None}
+    assert unused == {n for n, p in params.items() if p.grad is None} == {
+        f"blocks.1.txt_{m}.{w}" for m in ("attn.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2") for w in ("weight", "bias")}
+    errs = {n: rel_err(params[n].grad, g) for n, g in expected.items() if n not in unused}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= TOL, worst
+
+
+def test_the_padding_of_a_short_prompt_changes_nothing(parallel_1proc):
+    """A prompt's output is the same alone and batched with a longer one (padded, masked), whatever the
+    padding holds."""
+    model = _model(TINY, random_reference(TINY, seed=3))
+    batched = make_inputs(TINY, lengths=(2, 7), height=3, width=3)
+    batched["encoder_hidden_states"][0, 2:] = 1e3  # the short prompt's padding
+    alone = {k: (v[:1, :2] if k == "encoder_hidden_states" else v[:1]) for k, v in batched.items()
+             if k not in ("encoder_hidden_states_mask", "img_shapes")}
+    with torch.no_grad():
+        out = model(**batched)
+        short = model(**alone, encoder_hidden_states_mask=None, img_shapes=[[(1, 3, 3)]])
+    # not bit-equal: the text positions shift nothing, but attention sums over another number of keys
+    assert rel_err(out[:1], short) <= TOL
+
+
+def test_activation_checkpointing_gives_identical_gradients(parallel_1proc):
+    ref = random_reference(TINY, seed=2)
+    inputs = make_inputs(TINY)
+    grads = []
+    for recompute in (False, True):
+        model = _model(TINY.replace(recompute_blocks=recompute), ref)
+        model(**inputs).square().sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name, g in grads[0].items():
+        assert torch.equal(g, grads[1][name]), name
+
+
+def test_bf16_stays_close_and_rope_stays_fp32(parallel_1proc):
+    ref = random_reference(TINY, seed=4)
+    inputs = make_inputs(TINY)
+    fp32, bf16 = _model(TINY, ref), _model(TINY.replace(bf16=True), ref)
+    with torch.no_grad():
+        expected, out = fp32(**inputs), bf16(**inputs)
+    assert out.dtype == torch.bfloat16 and 0 < rel_err(out.float(), expected) < 5e-2
+    assert all(t.dtype == torch.float32 for t in bf16.rope(((1, 4, 6),), 7, torch.device("cpu")))
+
+
+def test_the_presets_are_diffusers_models():
+    """The 20B preset is diffusers' default QwenImageTransformer2DModel (Qwen/Qwen-Image's config)."""
+    from diffusers import QwenImageTransformer2DModel
+    with torch.device("meta"):
+        ref = QwenImageTransformer2DModel()
+    config = QwenImageConfig.preset("qwen-image")
+    assert {k: ref.config[k] for k in config.to_diffusers_config()} == {
+        **config.to_diffusers_config(), "axes_dims_rope": tuple(config.axes_dims_rope)}
+    assert config.hidden_size == 3072 and config.num_layers == 60
+    # 20.4B parameters, as Qwen-Image's
+    assert 20.3e9 < sum(p.numel() for p in ref.parameters()) < 20.5e9
+
+
+def _write_folder(tmp_path, ref, **config_changes):
+    folder = tmp_path / "transformer"
+    ref.save_pretrained(folder, max_shard_size="40KB")  # sharded with an index, as the real one
+    if config_changes:
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, **config_changes}))
+    return folder
+
+
+def test_a_sharded_diffusers_folder_and_a_pipeline_folder_load(parallel_1proc, tmp_path):
+    ref = random_reference(TINY, seed=5)
+    folder = _write_folder(tmp_path, ref)
+    assert (folder / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    assert QwenImageConfig.from_diffusers_config(tmp_path) == TINY  # the pipeline folder above it
+    inputs = make_inputs(TINY)
+    with torch.no_grad():
+        expected = reference_output(ref, inputs)
+        for path in (folder, tmp_path):
+            assert rel_err(load_hf_weights(QwenImageTransformer(TINY), str(path))(**inputs), expected) <= TOL
+
+
+def test_bad_configs_and_weights_are_one_line(parallel_1proc, tmp_path):
+    ref = random_reference(TINY, seed=6)
+    folder = _write_folder(tmp_path, ref, zero_cond_t=True)
+    assert_one_line_error(lambda: QwenImageConfig.from_diffusers_config(folder),
+                          r"config\.json: zero_cond_t: True is a Qwen-Image variant this transformer does not build")
+    (folder / "config.json").write_text(json.dumps({**TINY.to_diffusers_config(), "num_attention_heads": "four"}))
+    assert_one_line_error(lambda: QwenImageConfig.from_diffusers_config(folder),
+                          r"config\.json: num_attention_heads must be")
+    assert_one_line_error(lambda: QwenImageConfig.from_diffusers_config({"num_layer": 2}),
+                          r"unknown Qwen-Image config field\(s\) \['num_layer'\]")
+    assert_one_line_error(lambda: QwenImageConfig.preset("qwen"), "unknown Qwen-Image preset 'qwen'")
+    state = ref.state_dict()
+    del state["txt_norm.weight"]
+    state["transformer_blocks.0.attn.to_k.weight"] = torch.zeros(3, 3)
+    assert_one_line_error(lambda: load_hf_weights(QwenImageTransformer(TINY), state), "missing weights: txt_norm.weight")
+    assert_one_line_error(lambda: load_hf_weights(QwenImageTransformer(TINY), str(tmp_path / "nope")),
+                          "no such Qwen-Image checkpoint", FileNotFoundError)
+    model = QwenImageTransformer(TINY)
+    inputs = make_inputs(TINY, lengths=(3, 3))
+    assert_one_line_error(lambda: model(**{**inputs, "img_shapes": [[(1, 4, 6)], [(1, 6, 4)]]}),
+                          r"img_shapes differ within the batch")
+    assert_one_line_error(lambda: model(**{**inputs, "img_shapes": [[(1, 4, 4)]] * 2}),
+                          r"img_shapes \[\(1, 4, 4\)\] make 16 image tokens, but hidden_states has 24")
+    assert_one_line_error(lambda: QwenImageTransformer(TINY.replace(num_attention_heads=3, attention_head_dim=16,
+                                                                    axes_dims_rope=(16, 16, 16))),
+                          r"axes_dims_rope")
