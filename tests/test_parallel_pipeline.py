@@ -3,12 +3,12 @@ the clear errors for layouts that do not fit. Multi-process parity: tests/distri
 import pytest
 import torch
 
-from mm_grpo.families.flux.chunks import (build_model_chunks, forward_backward, load_hf_weights_into_chunks,
-                                       make_velocity_fn, resolve_pp_layers)
+from mm_grpo.families.flux.chunks import build_model_chunks, forward_backward, load_hf_weights_into_chunks, make_velocity_fn
 from mm_grpo.families.flux.transformer import FluxConfig, FluxTransformer
 from mm_grpo.families.flux.transformer.hf_weights import load_hf_weights
 from mm_grpo.families.flux.transformer.model import check_parallel_sizes
 from mm_grpo.parallel import ParallelConfig
+from mm_grpo.parallel.pipeline_layout import resolve_pp_layers
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.utils import make_inputs, random_reference, rel_err
 

@@ -51,3 +51,22 @@ def stage_specs(pp_layers: PPLayers, num_blocks: int) -> Dict[Tuple[int, int], S
                                       post_process=(p == n_p - 1 and v == n_v - 1))
             start = end
     return specs
+
+
+def resolve_pp_layers(pp_layers: PPLayers, num_blocks: int, pp: int, vpp: int) -> List[List[int]]:
+    """[vchunk][pp_rank] block counts for pp stages x vpp virtual stages (even split if None)."""
+    if pp_layers is None:
+        stages = pp * vpp
+        if num_blocks % stages:
+            raise ValueError(
+                f"{num_blocks} blocks do not split evenly over {pp} pipeline stages x {vpp} virtual "
+                f"stages: pass pp_layers (blocks per stage) explicitly")
+        return [[num_blocks // stages] * pp for _ in range(vpp)]
+    chunks = normalize_pp_layers(pp_layers, num_blocks)
+    if len(chunks[0]) != pp:
+        raise ValueError(f"pp_layers {pp_layers} has {len(chunks[0])} stages, but the pipeline-model-"
+                         f"parallel size is {pp}")
+    if len(chunks) != vpp:
+        raise ValueError(f"pp_layers {pp_layers} has {len(chunks)} virtual chunk(s) per stage, but the "
+                         f"virtual pipeline size is {vpp} (use one inner list per virtual chunk)")
+    return chunks

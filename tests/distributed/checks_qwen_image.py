@@ -1,6 +1,7 @@
-"""Qwen-Image's transformer under TP and Ulysses SP against diffusers and the single-process model
-(fp32), with prompts of mixed lengths masked: the per-sample text mask must follow each rank's text
-tokens through the all-to-all (tests/test_qwen_image_model.py holds the one process to diffusers)."""
+"""Qwen-Image's transformer under TP, Ulysses SP and PP (virtual stages too) against diffusers and the
+single-process model (fp32), with prompts of mixed lengths masked: the per-sample text mask must follow
+each rank's text tokens through the all-to-all (tests/test_qwen_image_model.py holds the one process to
+diffusers)."""
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -20,12 +21,12 @@ def _world_max(value):
     return t.item()
 
 
-def _grads_by_hf_name(model):
+def _grads_by_hf_name(model, config=TINY):
     """Whole (TP-gathered) gradients keyed by diffusers' names; the unused last text tail left out."""
     group = parallel_state.get_tensor_model_parallel_group()
     params = dict(model.named_parameters())
     grads = {}
-    for rule in layout.stage_rules(TINY, model.block_range, model.pre_process, model.post_process):
+    for rule in layout.stage_rules(config, model.block_range, model.pre_process, model.post_process):
         grad = params[rule.megatron].grad
         if grad is None:
             continue
@@ -66,3 +67,59 @@ def qwen_image_tp_sp_with_masked_text_match_single_process():
     return {name: _layout_errors(parallel, inputs, seed=4)
             for name, parallel in (("tp2_sp2", ParallelConfig(tp=2, cp=2)), ("sp4", ParallelConfig(cp=4)),
                                    ("tp4", ParallelConfig(tp=4)))}
+
+
+# --- pipeline stages (with TP, SP and virtual stages) through megatron-core's schedules ------------
+PP_CONFIG = TINY.replace(num_layers=4)  # one block per chunk at PP 4 and at PP 2 x 2 virtual stages
+NUM_MICRO_BATCHES = 4
+
+
+def _micro_batches():
+    """Micro-batches of 2 prompts each, of other lengths in each (padded to 6 tokens), on a 3 x 5 grid,
+    with a random weight for the loss."""
+    mbs = []
+    for i, lengths in enumerate([(6, 2), (3, 6), (1, 6), (6, 6)]):
+        mb = make_inputs(PP_CONFIG, lengths, height=3, width=5, seed=10 + i)
+        mb["encoder_hidden_states_mask"] = torch.arange(6) < torch.tensor(lengths)[:, None]
+        mb["weight"] = torch.randn(2, 15, PP_CONFIG.output_channels, generator=torch.Generator().manual_seed(20 + i))
+        mbs.append(mb)
+    return mbs
+
+
+def _loss_fn(output, mb):
+    return (output * mb["weight"]).sum(), {"out": output.detach()}
+
+
+def _pipeline_errors(parallel, ref, micro_batches, ref_outs, ref_grads):
+    from mm_grpo.families.qwen_image.chunks import build_model_chunks, forward_backward, load_hf_weights_into_chunks
+    initialize_parallel(parallel)
+    chunks = load_hf_weights_into_chunks(build_model_chunks(PP_CONFIG), ref.state_dict())
+    results = forward_backward(chunks, micro_batches, _loss_fn)
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    for p in (p for chunk in chunks for p in chunk.parameters() if p.grad is not None):
+        dist.all_reduce(p.grad, group=group)  # what Megatron DDP does: the mean over DP x CP
+        p.grad /= group.size()
+    grads = {name: g for chunk in chunks for name, g in _grads_by_hf_name(chunk, PP_CONFIG).items()}
+    covered = [None] * dist.get_world_size()
+    dist.all_gather_object(covered, sorted(grads))
+    return {"out_err": _world_max(max(rel_err(r["out"], o) for r, o in zip(results, ref_outs))),
+            "grad_err": _world_max(max(rel_err(g, ref_grads[n]) for n, g in grads.items())),
+            "all_grads_compared": {n for names in covered for n in names} == set(ref_grads),
+            "n_grads": len(ref_grads), "n_micro_batches": len(results)}
+
+
+@check(4)
+def qwen_image_pipeline_layouts_match_single_process():
+    """TP2 x PP2, PP2 x SP2, PP4 and PP2 x 2 virtual stages (x DP2) against the one process: every
+    micro-batch's output and d(mean loss)/dw of every parameter."""
+    ref = random_reference(PP_CONFIG, seed=3)
+    micro_batches = _micro_batches()
+    initialize_parallel(ParallelConfig())
+    single = load_hf_weights(QwenImageTransformer(PP_CONFIG), ref.state_dict())
+    outs = [single(**{k: v for k, v in mb.items() if k != "weight"}) for mb in micro_batches]
+    (sum(_loss_fn(o, mb)[0] for o, mb in zip(outs, micro_batches)) / len(outs)).backward()
+    ref_outs, ref_grads = [o.detach() for o in outs], _grads_by_hf_name(single, PP_CONFIG)
+    layouts = {"tp2_pp2": ParallelConfig(tp=2, pp=2), "pp2_sp2": ParallelConfig(pp=2, cp=2),
+               "pp4": ParallelConfig(pp=4), "pp2_vpp2": ParallelConfig(pp=2, vpp=2)}
+    return {name: _pipeline_errors(parallel, ref, micro_batches, ref_outs, ref_grads)
+            for name, parallel in layouts.items()}

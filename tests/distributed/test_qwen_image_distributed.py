@@ -1,4 +1,5 @@
-"""Qwen-Image under TP and Ulysses SP: the checks run in tests/distributed/checks_qwen_image.py."""
+"""Qwen-Image under TP, Ulysses SP and PP (virtual stages too): the checks run in
+tests/distributed/checks_qwen_image.py."""
 from tests.distributed.conftest import check_result
 
 TOL = 1e-5
@@ -10,4 +11,13 @@ def test_tp_and_sp_with_prompts_of_mixed_lengths_match_diffusers_and_the_single_
     for name, errs in m.items():
         assert errs["same_grads"] and errs["n_grads"] > 40, name
         assert errs["out_vs_diffusers"] <= TOL, name
+        assert errs["grad_err"] <= TOL, name
+
+
+def test_pipeline_stages_virtual_stages_and_their_mix_with_tp_and_sp_match_the_single_process(torchrun):
+    m = check_result(torchrun(4), "qwen_image_pipeline_layouts_match_single_process")
+    assert set(m) == {"tp2_pp2", "pp2_sp2", "pp4", "pp2_vpp2"}
+    for name, errs in m.items():
+        assert errs["n_micro_batches"] == 4 and errs["all_grads_compared"] and errs["n_grads"] > 90, name
+        assert errs["out_err"] <= TOL, name
         assert errs["grad_err"] <= TOL, name

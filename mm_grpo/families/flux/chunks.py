@@ -12,7 +12,6 @@ from typing import Callable, Dict, List, Sequence
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_attr_wrapped_model
 
 from mm_grpo.checkpoint.paths import is_megatron_checkpoint
@@ -21,7 +20,8 @@ from mm_grpo.families.flux.transformer.config import FluxConfig
 from mm_grpo.families.flux.transformer.hf_weights import check_hf_weights, load_hf_weights, open_diffusers_weights
 from mm_grpo.families.flux.transformer.latents import prepare_latent_image_ids
 from mm_grpo.families.flux.transformer.model import FluxTransformer, transformer_config
-from mm_grpo.parallel.pipeline_layout import PPLayers, normalize_pp_layers, stage_specs
+from mm_grpo.parallel.pipeline_layout import PPLayers, resolve_pp_layers, stage_specs
+from mm_grpo.parallel.schedule import results_to_host, run_schedule
 from mm_grpo.parallel.state import is_last_stage, object_from_last_stage, tensor_from_last_stage
 from mm_grpo.parallel.ulysses import SequenceShard
 
@@ -32,25 +32,6 @@ FORWARD_KEYS = ("hidden_states", "encoder_hidden_states", "pooled_projections", 
 
 
 # --- model chunks ---------------------------------------------------------------------
-def resolve_pp_layers(pp_layers: PPLayers, num_blocks: int, pp: int, vpp: int) -> List[List[int]]:
-    """[vchunk][pp_rank] block counts for pp stages x vpp virtual stages (even split if None)."""
-    if pp_layers is None:
-        stages = pp * vpp
-        if num_blocks % stages:
-            raise ValueError(
-                f"{num_blocks} blocks do not split evenly over {pp} pipeline stages x {vpp} virtual "
-                f"stages: pass pp_layers (blocks per stage) explicitly")
-        return [[num_blocks // stages] * pp for _ in range(vpp)]
-    chunks = normalize_pp_layers(pp_layers, num_blocks)
-    if len(chunks[0]) != pp:
-        raise ValueError(f"pp_layers {pp_layers} has {len(chunks[0])} stages, but the pipeline-model-"
-                         f"parallel size is {pp}")
-    if len(chunks) != vpp:
-        raise ValueError(f"pp_layers {pp_layers} has {len(chunks)} virtual chunk(s) per stage, but the "
-                         f"virtual pipeline size is {vpp} (use one inner list per virtual chunk)")
-    return chunks
-
-
 def build_model_chunks(config: FluxConfig, pp_layers: PPLayers = None) -> List[FluxTransformer]:
     """This rank's model chunks, one per virtual stage, for megatron-core's parallel state.
 
@@ -102,32 +83,13 @@ def _micro_batch_layout(micro_batches: Sequence[Dict]):
     return shapes.pop()
 
 
-def _check_num_microbatches(num_microbatches: int, model_chunks):
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    if len(model_chunks) > 1 and num_microbatches % pp:
-        # megatron-core's interleaved schedule runs micro-batches in groups of pp per chunk.
-        raise ValueError(f"the interleaved (virtual-stage) schedule needs a number of micro-batches "
-                         f"divisible by the pipeline size {pp}, got {num_microbatches}")
-
-
 def _run_schedule(model_chunks, micro_batches, loss_func, forward_only, collect_non_loss_data=False):
     """megatron-core's schedule over `micro_batches`; returns the last stage's forward data."""
     mbs, n_txt, n_img = _micro_batch_layout(micro_batches)
-    _check_num_microbatches(len(micro_batches), model_chunks)
     seq = SequenceShard.current(n_txt, n_img)
-
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        output = model(**{k: batch[k] for k in FORWARD_KEYS if k in batch})
-        return output, lambda out, non_loss_data=False: loss_func(out, batch)
-
-    return get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=[iter(micro_batches) for _ in model_chunks],  # each chunk sees every micro-batch
-        model=list(model_chunks), num_microbatches=len(micro_batches),
-        # Megatron's p2p shape is (seq_length // CP, mbs, D): this rank's rows + the temb row.
-        seq_length=seq.size * (seq.local_len + 1), micro_batch_size=mbs,
-        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data)
+    # Megatron's p2p shape is (seq_length // CP, mbs, D): this rank's rows + the temb row.
+    return run_schedule(model_chunks, micro_batches, FORWARD_KEYS, loss_func, seq.size * (seq.local_len + 1), mbs,
+                        forward_only, collect_non_loss_data)
 
 
 # --- training -------------------------------------------------------------------------
@@ -151,25 +113,6 @@ def forward_backward(model_chunks: Sequence[FluxTransformer], micro_batches: Seq
 
     results = _run_schedule(model_chunks, micro_batches, loss_func, forward_only)
     return object_from_last_stage(results_to_host(results) if is_last_stage() else None)
-
-
-def results_to_host(results: Sequence[Dict]) -> List[Dict]:
-    """The micro-batches' {name: value} with their tensors detached and on the CPU. The scalars of a
-    dtype and device cross in one copy (one host sync, not one per statistic and micro-batch)."""
-    out = [dict(r) for r in results]
-    groups: Dict[tuple, list] = {}
-    for i, r in enumerate(out):
-        for k, v in r.items():
-            if torch.is_tensor(v):
-                if v.ndim == 0 and v.device.type != "cpu":
-                    groups.setdefault((v.dtype, v.device), []).append((i, k))
-                else:
-                    r[k] = v.detach().cpu()
-    for places in groups.values():
-        values = torch.stack([out[i][k].detach() for i, k in places]).cpu()
-        for (i, k), value in zip(places, values.unbind()):
-            out[i][k] = value
-    return out
 
 
 # --- pipelined inference for the rollout -------------------------------------------------
