@@ -153,3 +153,40 @@ def test_bad_configs_and_weights_are_one_line(parallel_1proc, tmp_path):
     assert_one_line_error(lambda: QwenImageTransformer(TINY.replace(num_attention_heads=3, attention_head_dim=16,
                                                                     axes_dims_rope=(16, 16, 16))),
                           r"axes_dims_rope")
+
+
+def _true_cfg_reference(ref, x, sigma, pos, neg, scale):
+    """QwenImagePipeline's step velocity, transcribed in float64: two calls (each prompt at its own
+    length and mask), then comb = u + s (c - u) rescaled to |c| over the channels."""
+    c = reference_output(ref, dict(hidden_states=x, timestep=sigma, img_shapes=[[(1, 3, 4)]] * len(x), **pos)).double()
+    u = reference_output(ref, dict(hidden_states=x, timestep=sigma, img_shapes=[[(1, 3, 4)]] * len(x), **neg)).double()
+    comb = u + scale * (c - u)
+    return comb * (torch.norm(c, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
+
+
+@pytest.mark.parametrize("scale", [1.0, 4.0])
+def test_the_denoisers_velocity_is_the_pipelines_true_cfg_step(parallel_1proc, scale):
+    """The rollout's velocity (micro-batches of 2, true CFG in one call of 4 with the 5-token negative
+    prompt padded to the 7-token prompts) and the training forward against QwenImagePipeline's two
+    calls and rescale; scale 1 is the conditional call alone."""
+    from mm_grpo.families.qwen_image.denoiser import QwenImageDenoiser
+    ref = random_reference(TINY, seed=8)
+    model = _model(TINY, ref)
+    inputs = make_inputs(TINY, lengths=(7, 3, 5, 7), height=3, width=4, seed=3)
+    g = torch.Generator().manual_seed(4)
+    negative = (torch.randn(1, 5, TINY.joint_attention_dim, generator=g), torch.ones(1, 5, dtype=torch.long))
+    denoiser = QwenImageDenoiser(48, 64, TINY.in_channels, scale, negative if scale > 1 else None)
+    text = (inputs["encoder_hidden_states"], inputs["encoder_hidden_states_mask"])
+    cond = denoiser.conditioning(text, None, torch.device("cpu"))
+    x, sigma = inputs["hidden_states"], inputs["timestep"]
+    pos = {"encoder_hidden_states": text[0], "encoder_hidden_states_mask": text[1]}
+    neg = {"encoder_hidden_states": negative[0].expand(4, -1, -1), "encoder_hidden_states_mask": negative[1].expand(4, -1)}
+    with torch.no_grad():
+        expected = (_true_cfg_reference(ref, x, sigma, pos, neg, scale) if scale > 1
+                    else reference_output(ref, dict(hidden_states=x, timestep=sigma, img_shapes=[[(1, 3, 4)]] * 4, **pos)))
+        v = denoiser.velocity_fn([model], cond, micro_batch_size=2)(x, sigma)
+        trained = denoiser.forward(model, dict(denoiser.rows_of(cond, torch.tensor([1, 2])), hidden_states=x[1:3],
+                                               timestep=sigma[1:3]))
+    assert denoiser.latent_shape == (12, TINY.in_channels) and v.shape == x.shape[:2] + (TINY.output_channels,)
+    assert rel_err(v, expected) <= TOL
+    assert rel_err(trained, expected[1:3]) <= TOL

@@ -9,6 +9,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from mm_grpo.parallel.state import is_last_stage, tensor_from_last_stage
+
 
 def check_num_microbatches(num_microbatches: int, model_chunks):
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -34,6 +36,25 @@ def run_schedule(model_chunks, micro_batches: Sequence[Dict], forward_keys, loss
         forward_step_func=forward_step, data_iterator=[iter(micro_batches) for _ in model_chunks],
         model=list(model_chunks), num_microbatches=len(micro_batches), seq_length=seq_length,
         micro_batch_size=micro_batch_size, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data)
+
+
+def forward_only(model_chunks, micro_batches: Sequence[Dict], forward_keys, seq_length: int, micro_batch_size: int,
+                 out_shape, dtype, device) -> torch.Tensor:
+    """The outputs of `micro_batches` (in flight together through every stage: megatron-core's
+    forward-only schedule), concatenated on the last stage and broadcast over the pipeline group, so
+    that every PP / SP / TP rank can step a sampler identically: a tensor `out_shape` in `dtype`. The
+    interleaved schedule takes micro-batches in groups of PP: they are padded with repeats of the last
+    one (in what would otherwise be the pipeline bubble), whose outputs are dropped."""
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    padding = (-len(micro_batches)) % pp if len(model_chunks) > 1 else 0
+    with torch.no_grad():
+        outs = run_schedule(model_chunks, list(micro_batches) + list(micro_batches[-1:]) * padding, forward_keys,
+                            lambda out, batch: out, seq_length, micro_batch_size, forward_only=True,
+                            collect_non_loss_data=True)
+    # One contiguous tensor (a model output is a transposed view): the broadcast to the other pipeline
+    # stages sends its storage as laid out.
+    out = torch.cat(outs[:len(micro_batches)]).to(dtype) if is_last_stage() else None
+    return tensor_from_last_stage(out, out_shape, dtype, device)
 
 
 def results_to_host(results: Sequence[Dict]) -> List[Dict]:

@@ -21,3 +21,8 @@ def test_pipeline_stages_virtual_stages_and_their_mix_with_tp_and_sp_match_the_s
         assert errs["n_micro_batches"] == 4 and errs["all_grads_compared"] and errs["n_grads"] > 90, name
         assert errs["out_err"] <= TOL, name
         assert errs["grad_err"] <= TOL, name
+
+
+def test_the_rollouts_true_cfg_velocity_through_pipeline_stages_matches_the_single_process(torchrun):
+    m = check_result(torchrun(4), "qwen_image_pipelined_true_cfg_velocity_matches_single_process")
+    assert set(m) == {"pp2_sp2", "pp2_vpp2"} and max(m.values()) <= TOL, m

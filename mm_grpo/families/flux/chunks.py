@@ -21,8 +21,8 @@ from mm_grpo.families.flux.transformer.hf_weights import check_hf_weights, load_
 from mm_grpo.families.flux.transformer.latents import prepare_latent_image_ids
 from mm_grpo.families.flux.transformer.model import FluxTransformer, transformer_config
 from mm_grpo.parallel.pipeline_layout import PPLayers, resolve_pp_layers, stage_specs
-from mm_grpo.parallel.schedule import results_to_host, run_schedule
-from mm_grpo.parallel.state import is_last_stage, object_from_last_stage, tensor_from_last_stage
+from mm_grpo.parallel.schedule import forward_only, results_to_host, run_schedule
+from mm_grpo.parallel.state import is_last_stage, object_from_last_stage
 from mm_grpo.parallel.ulysses import SequenceShard
 
 # The keyword arguments of FluxTransformer.forward (diffusers' names); other keys of a
@@ -144,14 +144,9 @@ def make_velocity_fn(model_chunks: Sequence[FluxTransformer], cond: Dict, micro_
     batch = cond["encoder_hidden_states"].shape[0]
     if micro_batch_size < 1 or batch % micro_batch_size:
         raise ValueError(f"batch size {batch} is not divisible by micro_batch_size {micro_batch_size}")
-    num_microbatches = batch // micro_batch_size
-    # The interleaved schedule takes micro-batches in groups of PP: pad with repeats of the
-    # last one (their outputs are dropped). With fewer than PP micro-batches the padding
-    # runs in what would otherwise be the pipeline bubble.
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    padding = (-num_microbatches) % pp if len(model_chunks) > 1 else 0
     config = get_attr_wrapped_model(model_chunks[0], "flux_config")
     per_sample = [k for k in PER_SAMPLE_CONDITIONING if cond.get(k) is not None]
+    seq = SequenceShard.current(cond["txt_ids"].shape[-2], cond["img_ids"].shape[-2])
 
     # The conditioning of each micro-batch, cut once: a step adds its latents and sigmas.
     starts = range(0, batch, micro_batch_size)
@@ -164,12 +159,7 @@ def make_velocity_fn(model_chunks: Sequence[FluxTransformer], cond: Dict, micro_
                              f"{tuple(x.shape)} and {tuple(sigma.shape)}")
         micro_batches = [dict(c, hidden_states=x[i:i + micro_batch_size], timestep=sigma[i:i + micro_batch_size])
                          for i, c in zip(starts, conditioned)]
-        with torch.no_grad():
-            outs = _run_schedule(model_chunks, micro_batches + micro_batches[-1:] * padding,
-                                 lambda out, batch: out, forward_only=True, collect_non_loss_data=True)
-        # One contiguous tensor (a model output is a transposed view): the broadcast to the other
-        # pipeline stages sends its storage as laid out.
-        v = torch.cat(outs[:num_microbatches]).to(x.dtype) if is_last_stage() else None
-        return tensor_from_last_stage(v, (batch, x.shape[1], config.output_channels), x.dtype, x.device)
+        return forward_only(model_chunks, micro_batches, FORWARD_KEYS, seq.size * (seq.local_len + 1),
+                            micro_batch_size, (batch, x.shape[1], config.output_channels), x.dtype, x.device)
 
     return velocity_fn
