@@ -264,6 +264,17 @@ def split_heads(qkv, head_dim):
     return heads[..., :2, :], heads[..., 2, :]
 
 
+def fuse_per_head(tensors, heads: int) -> torch.Tensor:
+    """Separate projections' weights (or biases) [q ; k ; v], each [H*d, ...], as `QKV`'s fused per-head
+    layout [q_h, k_h, v_h for h in heads], so that a contiguous TP chunk holds whole heads."""
+    return torch.stack([t.unflatten(0, (heads, -1)) for t in tensors], dim=1).flatten(0, 2)
+
+
+def split_per_head(fused: torch.Tensor, heads: int, parts: int = 3):
+    """The inverse of `fuse_per_head`: (q, k, v), each [H*d, ...]."""
+    return tuple(t.flatten(0, 1) for t in fused.unflatten(0, (heads, parts, -1)).unbind(1))
+
+
 class QKV(nn.Module):
     """Fused, per-head q/k/v projection with QK RMSNorm and RoPE, so a TP shard holds whole heads."""
 

@@ -100,3 +100,20 @@ def open_diffusers_weights(path: str, backend: str = "mmap", family: str = "diff
     if not files:
         raise FileNotFoundError(f"no diffusion_pytorch_model*.safetensors in {folder}")
     return SafetensorsWeights(files, backend)
+
+
+def check_weights(weights: Mapping, shapes: dict):
+    """Missing, unexpected and wrong-shaped tensors of `weights` against {name: shape} (a family's
+    diffusers model built on meta), all named in one line."""
+    problems = []
+    if missing := sorted(set(shapes) - set(weights)):
+        problems.append(f"missing weights: {', '.join(missing)}")
+    if unexpected := sorted(set(weights) - set(shapes)):
+        problems.append(f"unexpected weights: {', '.join(unexpected)}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    shape_of = weights.shape_of if hasattr(weights, "shape_of") else (lambda n: tuple(weights[n].shape))
+    wrong = [(n, shape_of(n), s) for n, s in shapes.items() if tuple(shape_of(n)) != s]
+    if wrong:
+        raise ValueError("wrong shapes: " + ", ".join(f"{n} is {tuple(got)}, expected {want}" for n, got, want in wrong))
+

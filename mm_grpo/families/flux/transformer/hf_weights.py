@@ -36,23 +36,7 @@ def expected_hf_shapes(config: FluxConfig) -> dict:
 
 def check_hf_weights(weights: Mapping, config: FluxConfig):
     """Missing, unexpected and wrong-shaped diffusers tensors, all reported by name."""
-    shapes = expected_hf_shapes(config)
-    missing = sorted(set(shapes) - set(weights))
-    unexpected = sorted(set(weights) - set(shapes))
-    problems = []
-    if missing:
-        problems.append(f"missing weights: {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected weights: {', '.join(unexpected)}")
-    if problems:
-        raise ValueError("; ".join(problems))
-    if hasattr(weights, "shape_of"):
-        wrong = [(n, weights.shape_of(n), s) for n, s in shapes.items() if weights.shape_of(n) != s]
-    else:
-        wrong = [(n, tuple(weights[n].shape), s) for n, s in shapes.items() if tuple(weights[n].shape) != s]
-    if wrong:
-        raise ValueError("wrong shapes: " + ", ".join(
-            f"{n} is {tuple(got)}, expected {want}" for n, got, want in wrong))
+    safetensors_weights.check_weights(weights, expected_hf_shapes(config))
 
 
 def load_hf_weights(model, weights, check: bool = True):

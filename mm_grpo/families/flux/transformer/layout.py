@@ -18,6 +18,7 @@ from typing import Iterator, Sequence, Tuple
 import torch
 
 from mm_grpo.families.flux.transformer.config import FluxConfig
+from mm_grpo.layers import fuse_per_head, split_per_head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,18 +89,16 @@ def stage_rules(config: FluxConfig, block_range=None, pre_process=True, post_pro
 def merge(rule: Rule, tensors: Sequence[torch.Tensor], config: FluxConfig) -> torch.Tensor:
     if rule.merge == "same":
         return tensors[0]
-    heads = config.num_attention_heads
-    qkv = torch.stack([t.unflatten(0, (heads, -1)) for t in tensors[:3]], dim=1).flatten(0, 2)
+    qkv = fuse_per_head(tensors[:3], config.num_attention_heads)
     return qkv if rule.merge == "qkv" else torch.cat([qkv, tensors[3]])
 
 
 def unmerge(rule: Rule, full: torch.Tensor, config: FluxConfig) -> Tuple[torch.Tensor, ...]:
     if rule.merge == "same":
         return (full,)
-    dim, heads = config.hidden_size, config.num_attention_heads
-    qkv, rest = full[:3 * dim], full[3 * dim:]
-    q, k, v = (t.flatten(0, 1) for t in qkv.unflatten(0, (heads, 3, -1)).unbind(1))
-    return (q, k, v) if rule.merge == "qkv" else (q, k, v, rest)
+    dim = config.hidden_size
+    qkv = split_per_head(full[:3 * dim], config.num_attention_heads)
+    return qkv if rule.merge == "qkv" else (*qkv, full[3 * dim:])
 
 
 # --- shard: one full tensor <-> TP shards ----------------------------------------------

@@ -27,19 +27,8 @@ def expected_hf_shapes(config: QwenImageConfig) -> dict:
 
 
 def check_hf_weights(weights: Mapping, config: QwenImageConfig):
-    """Missing, unexpected and wrong-shaped diffusers tensors, all reported by name, in one line."""
-    shapes = expected_hf_shapes(config)
-    problems = []
-    if missing := sorted(set(shapes) - set(weights)):
-        problems.append(f"missing weights: {', '.join(missing)}")
-    if unexpected := sorted(set(weights) - set(shapes)):
-        problems.append(f"unexpected weights: {', '.join(unexpected)}")
-    if problems:
-        raise ValueError("; ".join(problems))
-    shape_of = weights.shape_of if hasattr(weights, "shape_of") else (lambda n: tuple(weights[n].shape))
-    wrong = [(n, shape_of(n), s) for n, s in shapes.items() if tuple(shape_of(n)) != s]
-    if wrong:
-        raise ValueError("wrong shapes: " + ", ".join(f"{n} is {tuple(got)}, expected {want}" for n, got, want in wrong))
+    """Missing, unexpected and wrong-shaped diffusers tensors, all reported by name."""
+    safetensors_weights.check_weights(weights, expected_hf_shapes(config))
 
 
 def load_hf_weights(model, weights, check: bool = True):

@@ -15,6 +15,7 @@ from typing import Iterator, Sequence, Tuple
 import torch
 
 from mm_grpo.families.qwen_image.transformer.config import QwenImageConfig
+from mm_grpo.layers import fuse_per_head, split_per_head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,14 +72,13 @@ def stage_rules(config: QwenImageConfig, block_range=None, pre_process=True, pos
 def merge(rule: Rule, tensors: Sequence[torch.Tensor], config: QwenImageConfig) -> torch.Tensor:
     if rule.merge == "same":
         return tensors[0]
-    heads = config.num_attention_heads
-    return torch.stack([t.unflatten(0, (heads, -1)) for t in tensors], dim=1).flatten(0, 2)
+    return fuse_per_head(tensors, config.num_attention_heads)
 
 
 def unmerge(rule: Rule, full: torch.Tensor, config: QwenImageConfig) -> Tuple[torch.Tensor, ...]:
     if rule.merge == "same":
         return (full,)
-    return tuple(t.flatten(0, 1) for t in full.unflatten(0, (config.num_attention_heads, 3, -1)).unbind(1))
+    return split_per_head(full, config.num_attention_heads)
 
 
 # --- shard: one full tensor <-> TP shards ----------------------------------------------
