@@ -68,6 +68,8 @@ def test_the_padding_of_a_short_prompt_changes_nothing(parallel_1proc):
         short = model(**alone, encoder_hidden_states_mask=None, img_shapes=[[(1, 3, 3)]])
     # not bit-equal: the text positions shift nothing, but attention sums over another number of keys
     assert rel_err(out[:1], short) <= TOL
+    # the rotary tables of the last call only are kept: prompts of other lengths do not pile up tables
+    assert model._rope_cache[0] == (((1, 3, 3),), 2, torch.device("cpu"))
 
 
 def test_activation_checkpointing_gives_identical_gradients(parallel_1proc):

@@ -18,11 +18,11 @@ from mm_grpo.checkpoint.paths import RELEASE, is_megatron_checkpoint, iteration_
 from mm_grpo.families.flux.checkpoint import weights as flux_weights
 from mm_grpo.families.flux.checkpoint.metadata import CheckpointMeta
 from mm_grpo.families.flux.chunks import build_model_chunks, load_pretrained
-from mm_grpo.parallel.pipeline_layout import resolve_pp_layers
 from mm_grpo.families.flux.predictor_block import flux_config_from_block
 from mm_grpo.families.flux.transformer import lora
 from mm_grpo.families.flux.transformer.config import FluxConfig
 from mm_grpo.parallel import ParallelConfig
+from mm_grpo.parallel.pipeline_layout import resolve_pp_layers
 from mm_grpo.training import arguments, components, run_guard
 from mm_grpo.training.loop import TrainingRun
 from mm_grpo.training.optim import build_optimizer, build_scheduler, unwrap, wrap_ddp

@@ -123,7 +123,7 @@ class QwenImageTransformer(MegatronModule):
         if post_process:
             self.final_layer = FinalLayer(config, tconfig)
         self.input_tensor = None
-        self._rope_cache = {}  # (grid, n_txt, device) -> (cos, sin)
+        self._rope_cache = None  # ((grid, n_txt, device), (cos, sin)) of the last forward
 
     def set_input_tensor(self, input_tensor):  # Megatron's pipeline contract
         if isinstance(input_tensor, (list, tuple)):
@@ -136,13 +136,15 @@ class QwenImageTransformer(MegatronModule):
         return compute_dtype(self.qwen_config, torch.float32 if weight is None else weight.dtype)
 
     def rope(self, grid, n_txt, device):
-        """(cos, sin) [S, head_dim] fp32 of the joint sequence, made once per grid and text length."""
+        """(cos, sin) [S, head_dim] fp32 of the joint sequence; the last ones are reused while the grid and
+        the text length stay (a rollout's steps and its training micro-batches share them). Only the last:
+        prompts of other lengths make other tables, which kept would grow without bound."""
         key = (grid, n_txt, device)
-        if key not in self._rope_cache:
+        if self._rope_cache is None or self._rope_cache[0] != key:
             cfg = self.qwen_config
-            self._rope_cache[key] = tuple(t.to(device) for t in rope_tables(grid, n_txt, cfg.axes_dims_rope,
-                                                                            cfg.rope_theta))
-        return self._rope_cache[key]
+            tables = tuple(t.to(device) for t in rope_tables(grid, n_txt, cfg.axes_dims_rope, cfg.rope_theta))
+            self._rope_cache = (key, tables)
+        return self._rope_cache[1]
 
     def embed(self, hidden_states, encoder_hidden_states):
         """Inputs in diffusers' [B, S, C] -> the joint sequence [text ; image] as [S, B, D]: the
