@@ -231,7 +231,9 @@ def run_size(run: Run, size: int, micro_batch: int, iteration: int, warmup: bool
     reward = trainer_components.grpo_reward(run.blocks, PROMPTS, device)
     schedule = trainer_components.grpo_schedule(preset.settings(), run.chunks, run.blocks, reward, device, preset.dtype,
                                                 FluxGuidance())
-    step = functools.partial(grpo_iteration, schedule, run.policy, run.optimizer, run.scheduler)
+    from mm_grpo.families.flux.chunks import forward_backward
+    step = functools.partial(grpo_iteration, schedule, run.policy, run.optimizer, run.scheduler,
+                             forward_backward=functools.partial(forward_backward, denoiser=schedule.denoiser))
     runs, key = [], size_key(size, micro_batch)
     for _ in range(args.iters + warmup):
         runs.append(timed_iteration(step, iteration, run.platform))

@@ -116,8 +116,8 @@ def test_compiled_run_trains_as_eager_resumes_exactly_and_exports_its_lora(paral
     # The diffusers LoRA file of the latest checkpoint holds the trained adapters exactly.
     convert(["FluxConverter", "lora_mm_to_hf", "--cfg.source_path", str(ckpt), "--cfg.target_path",
              str(tmp_path / "lora")])
-    loaded = read_diffusers_lora(str(tmp_path / "lora"), run.flux_config, lora.LoRAConfig(4, 8.0, tuple(TARGETS)))
-    for base in lora.base_rules(run.flux_config, TARGETS):
+    loaded = read_diffusers_lora(str(tmp_path / "lora"), run.config, lora.LoRAConfig(4, 8.0, tuple(TARGETS)))
+    for base in lora.base_rules(run.config, TARGETS):
         for rule, tensor in zip(lora.adapter_rules(base), loaded[base.hf[0]]):
             assert torch.equal(tensor, policy[rule.megatron]), rule.megatron
     assert any(t.abs().max() > 0 for base in loaded.values() for t in base[1:])  # B trained

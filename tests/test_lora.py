@@ -3,6 +3,7 @@ adapters train, adapters off is the base, and the argument checks."""
 import pytest
 import torch
 
+from mm_grpo.families.flux.family import FAMILY as FLUX
 from mm_grpo.families.flux.transformer import FluxConfig, FluxTransformer, lora
 from mm_grpo.families.flux.transformer.hf_weights import load_hf_weights
 from tests.fixtures import parallel_1proc  # noqa: F401
@@ -104,11 +105,11 @@ def test_adapter_flags_with_target_modules_make_the_config(tmp_path):
     targets = ["--lora-target-modules", "linear_qkv", "linear_in"]
     args = _parse(*targets, "--lora-r", "4", "--lora-alpha", "2", "--lora-dropout", "0.1", "--lora-load",
                   "x.safetensors", folder=tmp_path)
-    assert arguments.lora_config(args) == lora.LoRAConfig(4, 2.0, ("linear_qkv", "linear_in"), 0.1)
+    assert arguments.lora_config(args, FLUX) == lora.LoRAConfig(4, 2.0, ("linear_qkv", "linear_in"), 0.1)
     assert args.lora_load == "x.safetensors"
     defaults = lora.LoRAConfig(targets=("linear_qkv", "linear_in"))
-    assert arguments.lora_config(_parse(*targets, folder=tmp_path)) == defaults
-    assert arguments.lora_config(_parse(folder=tmp_path)) is None
+    assert arguments.lora_config(_parse(*targets, folder=tmp_path), FLUX) == defaults
+    assert arguments.lora_config(_parse(folder=tmp_path), FLUX) is None
 
 
 def test_frozen_base_in_bf16_leaves_the_bf16_output_unchanged(parallel_1proc):

@@ -80,7 +80,7 @@ def test_merged_model_equals_diffusers_with_the_lora_loaded(trained, tiny_pipeli
     assert {f"transformer.{k}" for k in loaded} == set(written)
     assert all(torch.equal(v, written[f"transformer.{k}"]) for k, v in loaded.items())
     merged = FluxTransformer2DModel.from_pretrained(tmp_path / "merged_hf")
-    inputs = make_inputs(run.flux_config, batch=2, height=4, width=4, txt_len=32)
+    inputs = make_inputs(run.config, batch=2, height=4, width=4, txt_len=32)
     with torch.no_grad():
         with_lora = reference_output(pipe.transformer, inputs)
         pipe.transformer.disable_lora()
@@ -103,9 +103,9 @@ def test_exported_lora_loads_back_as_the_same_adapters(trained, tmp_path):
     _, ckpt, run = trained
     cli("lora_mm_to_hf", source_path=ckpt, target_path=tmp_path / "lora")
     config = lora.LoRAConfig(4, 8.0, tuple(TARGETS))
-    loaded = read_diffusers_lora(str(tmp_path / "lora"), run.flux_config, config)
+    loaded = read_diffusers_lora(str(tmp_path / "lora"), run.config, config)
     params = dict(run.model.modules[0].named_parameters())
-    for base in lora.base_rules(run.flux_config, TARGETS):
+    for base in lora.base_rules(run.config, TARGETS):
         for rule, tensor in zip(lora.adapter_rules(base), loaded[base.hf[0]]):
             assert torch.equal(tensor, params[rule.megatron]), rule.megatron  # alpha / r = 2: exact
 
@@ -134,7 +134,7 @@ def test_a_peft_lora_made_elsewhere_is_the_starting_adapter(parallel_1proc, tiny
     assert model.double_blocks[0].img_attn.linear_qkv.lora_A.weight.shape[0] == 6  # 3 parts x rank 2
     assert model.single_blocks[0].linear_in.lora_A.weight.shape[0] == 8  # to_q, to_k, to_v, proj_mlp
     assert model.double_blocks[0].img_attn.linear_proj.lora_A.weight.shape[0] == 2
-    inputs = make_inputs(run.flux_config, batch=2, height=4, width=4, txt_len=32)
+    inputs = make_inputs(run.config, batch=2, height=4, width=4, txt_len=32)
     with torch.no_grad():
         ours = model(**inputs)
         theirs = reference_output(hf, inputs)

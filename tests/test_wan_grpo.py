@@ -281,3 +281,16 @@ def test_a_wan_launch_is_refused_in_one_line(tiny_wan, tiny_pipeline_dir, tmp_pa
         check_launch(_launch_argv(tiny_wan, tmp_path, model, **flags))
     message = str(refused.value)
     assert re.search(match, message) and "\n" not in message, message
+
+
+def test_the_negative_prompt_is_wans_by_default_and_refused_without_cfg():
+    """--negative-prompt is one flag for every family (mm_grpo/grpo/denoiser.py NegativePrompt): unset,
+    Wan2.1 guides against MindSpeed-MM's negative prompt; given without --cfg-scale it would change nothing."""
+    from mm_grpo.families.wan.encoders import WAN_NEGATIVE_PROMPT
+    from mm_grpo.families.wan.mindspeed_mm import WanGuidance
+    from tests.utils import assert_one_line_error
+    assert WanGuidance(cfg_scale=5.0).unconditional_prompt == WAN_NEGATIVE_PROMPT
+    assert WanGuidance(cfg_scale=5.0, negative_prompt="blurry").unconditional_prompt == "blurry"
+    assert_one_line_error(lambda: WanGuidance(negative_prompt="blurry").check(),
+                          r"^--negative-prompt is the unconditional prompt of classifier-free guidance, which is off: "
+                          r"add --cfg-scale > 1$")

@@ -6,9 +6,13 @@ a training micro-batch's forward; samplers, log-probs and objectives act on late
 Each family implements it (FLUX packs its latents into [S, C] tokens; Wan's DiT takes video
 latents [C, T, h, w]); docs/design.md says where a new family goes.
 """
+import dataclasses
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
+
+from mm_grpo.rollout.sigmas import sigma_schedule
+from mm_grpo.settings import setting
 
 
 class Denoiser:
@@ -30,6 +34,20 @@ class Denoiser:
         """A training micro-batch's velocity (inside Megatron's forward_step)."""
         raise NotImplementedError
 
+    def sigmas(self, num_steps: int, shift: float) -> torch.Tensor:
+        """The rollout's num_steps + 1 sigmas from 1 to 0: DanceGRPO / Flow-GRPO's schedule shifted by
+        `shift` (--sigma-shift; FLUX's and Wan's), unless the family's pipeline schedules otherwise."""
+        return sigma_schedule(num_steps, shift)
+
     def rows_of(self, cond: Dict, rows) -> Dict:
         """The conditioning of some samples of a batch."""
         return {k: v[rows] if k in self.per_sample_keys and v is not None else v for k, v in cond.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class NegativePrompt:
+    """The unconditional prompt of classifier-free guidance: one flag for every family that guides against
+    one (their guidance settings hold it as a plain field); unset, each family's own default."""
+    negative_prompt: Optional[str] = setting(
+        None, "the unconditional prompt of classifier-free guidance (default: the model family's: MindSpeed-MM's "
+              "Wan2.1 negative prompt, Qwen-Image's \" \")")

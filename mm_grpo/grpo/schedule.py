@@ -30,7 +30,7 @@ from mm_grpo.grpo.hyperparameters import GRPOSettings
 from mm_grpo.grpo.objectives import OBJECTIVES
 from mm_grpo.grpo.timesteps import SlidingWindow, branch_window
 from mm_grpo.parallel.state import dp_mean, dp_reduce
-from mm_grpo.rollout import SharedPrefix, Trajectory, get_sampler, rollout, sde_steps, sigma_schedule
+from mm_grpo.rollout import SharedPrefix, Trajectory, get_sampler, rollout, sde_steps
 from mm_grpo.seeding import GRPOStream, seeded_generator
 
 
@@ -62,7 +62,7 @@ class GRPOSchedule:
         if settings.kl_beta > 0 and ref_policy is None:
             raise ValueError("--kl-beta > 0 needs a reference policy")
         self.sampler = get_sampler(settings.sampler, settings.noise_level)
-        self.sigmas = sigma_schedule(settings.num_inference_steps, settings.sigma_shift).to(self.device)
+        self.sigmas = denoiser.sigmas(settings.num_inference_steps, settings.sigma_shift).to(self.device)
         self.objective = OBJECTIVES[settings.policy_loss](settings, self.sampler, self.sigmas)
         self.window = SlidingWindow(size=settings.window_size, every=settings.window_shift_every)
         self.denoiser = denoiser
@@ -166,7 +166,7 @@ class GRPOSchedule:
                 out.append(dict(
                     self.objective.fields(traj, r, t, k, drawn, host_t), timestep=self.sigmas[t],
                     advantages=advantages[r],
-                    **{key: cond[key][r] for key in self.denoiser.per_sample_keys},
+                    **{key: None if cond[key] is None else cond[key][r] for key in self.denoiser.per_sample_keys},
                     **{key: cond[key] for key in self.denoiser.shared_keys}))
         return out
 

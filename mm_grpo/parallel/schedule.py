@@ -3,7 +3,7 @@ stages exchange one tensor per micro-batch (FLUX's and Qwen-Image's: the joint s
 the schedule call, the interleaved schedule's rule on the number of micro-batches, and the results
 brought to the host in few copies. Which forward keyword arguments a micro-batch holds and how long
 the stage tensor is are the family's (its `chunks.py`)."""
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import torch
 from megatron.core import parallel_state
@@ -20,17 +20,23 @@ def check_num_microbatches(num_microbatches: int, model_chunks):
                          f"divisible by the pipeline size {pp}, got {num_microbatches}")
 
 
-def run_schedule(model_chunks, micro_batches: Sequence[Dict], forward_keys, loss_func, seq_length: int,
+def keyword_call(forward_keys) -> Callable:
+    """forward(model, micro_batch): the model called with the micro-batch's `forward_keys` (the others
+    are for the loss)."""
+    return lambda model, batch: model(**{k: batch[k] for k in forward_keys if k in batch})
+
+
+def run_schedule(model_chunks, micro_batches: Sequence[Dict], forward: Callable, loss_func, seq_length: int,
                  micro_batch_size: int, forward_only: bool, collect_non_loss_data: bool = False):
-    """megatron-core's schedule over `micro_batches` (each chunk sees every one; the model is called
-    with their `forward_keys`); `seq_length` and `micro_batch_size` give Megatron's p2p shape
-    (seq_length // CP, micro_batch_size, D). Returns the last stage's forward data."""
+    """megatron-core's schedule over `micro_batches` (each chunk sees every one; `forward(model,
+    micro_batch)` calls the model: `keyword_call`, or a denoiser's forward); `seq_length` and
+    `micro_batch_size` give Megatron's p2p shape (seq_length // CP, micro_batch_size, D). Returns the
+    last stage's forward data."""
     check_num_microbatches(len(micro_batches), model_chunks)
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        output = model(**{k: batch[k] for k in forward_keys if k in batch})
-        return output, lambda out, non_loss_data=False: loss_func(out, batch)
+        return forward(model, batch), lambda out, non_loss_data=False: loss_func(out, batch)
 
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=[iter(micro_batches) for _ in model_chunks],
@@ -48,7 +54,8 @@ def forward_only(model_chunks, micro_batches: Sequence[Dict], forward_keys, seq_
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     padding = (-len(micro_batches)) % pp if len(model_chunks) > 1 else 0
     with torch.no_grad():
-        outs = run_schedule(model_chunks, list(micro_batches) + list(micro_batches[-1:]) * padding, forward_keys,
+        outs = run_schedule(model_chunks, list(micro_batches) + list(micro_batches[-1:]) * padding,
+                            keyword_call(forward_keys),
                             lambda out, batch: out, seq_length, micro_batch_size, forward_only=True,
                             collect_non_loss_data=True)
     # One contiguous tensor (a model output is a transposed view): the broadcast to the other pipeline

@@ -8,13 +8,13 @@ import argparse
 import dataclasses
 from typing import Optional, Tuple
 
-from mm_grpo.families.flux.denoiser import FluxGuidance
 from mm_grpo.families.flux.transformer import lora
 from mm_grpo.files.jsonfile import load_json
+from mm_grpo.grpo.denoiser import NegativePrompt
 from mm_grpo.grpo.hyperparameters import GRPOSettings
 from mm_grpo.parallel.ulysses import ULYSSES_CP_ALGO
 from mm_grpo.seeding import DEFAULT_SEED
-from mm_grpo.settings import accept_negative_numbers, add_setting_args, check_bounds, setting
+from mm_grpo.settings import accept_negative_numbers, add_setting_args, check_bounds, from_args, setting
 from mm_grpo.training import components
 from mm_grpo.training.entry import refuse_once_per_launch
 
@@ -119,14 +119,15 @@ class LoRAArgs:
     --lora-target-modules names modules. The adapter flags default to None, so that one given
     without targets is seen even at its default value; LoRAConfig holds the defaults."""
     lora_target_modules: Tuple[str, ...] = setting(
-        (), "linears that get LoRA adapters (docs/lora.md); none: full fine-tuning", choices=sorted(lora.TARGETS))
+        (), "linears that get LoRA adapters (each family's: docs/lora.md, docs/qwen_image.md); none: full fine-tuning",
+        choices=sorted({t for family in components.TRAINED.values() for t in family.lora.TARGETS}))
     lora_r: Optional[int] = setting(None, f"LoRA rank (default {lora.LoRAConfig.r})")
     lora_alpha: Optional[float] = setting(None, f"LoRA alpha, scale alpha / r (default {lora.LoRAConfig.alpha:g})")
     lora_dropout: Optional[float] = setting(
         None, f"dropout on the adapters' input (default {lora.LoRAConfig.dropout:g}; from torch's RNG: layout "
               "parity needs 0)")
-    lora_load: Optional[str] = setting(None, "starting adapter: a diffusers / PEFT FLUX LoRA (.safetensors file "
-                                             "or its folder)")
+    lora_load: Optional[str] = setting(None, "starting adapter: a diffusers / PEFT LoRA of the model (.safetensors "
+                                             "file or its folder)")
 
 
 # the LoRA flags that only shape the adapters (-> their LoRAConfig field): without
@@ -156,7 +157,25 @@ class GRPORunArgs:
 MEGATRON_GROUPS = {"distributed": (DistributedArgs,), "training": (TrainingArgs, GuardArgs, ExitArgs),
                    "optimizer (AdamW)": (OptimizerArgs,), "checkpointing": (CheckpointArgs,),
                    "logging": (LoggingArgs,), "mindspeed-mm": (MindSpeedMMArgs,), "lora": (LoRAArgs,)}
-GRPO_GROUP = {"grpo": (GRPOSettings, FluxGuidance, HeldOutArgs, GRPORunArgs)}
+# each trained family's guidance flags (FLUX's embedding, Qwen-Image's true CFG): `family_guidance` reads its own
+GUIDANCE = tuple(dict.fromkeys(family.guidance for family in components.TRAINED.values()))
+GRPO_GROUP = {"grpo": (GRPOSettings, *GUIDANCE, NegativePrompt, HeldOutArgs, GRPORunArgs)}
+
+
+def family_guidance(args, family):
+    """The run's guidance settings, its family's; a guidance flag of another family given is refused in
+    one line (it would change nothing)."""
+    for other in GUIDANCE:
+        if other is family.guidance:
+            continue
+        given = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(other)
+                 if f.name not in {g.name for g in dataclasses.fields(family.guidance)}
+                 and getattr(args, f.name) != f.default]
+        if given:
+            raise ValueError(f"{', '.join(given)}: the guidance of another model family; model.json's predictor is "
+                             f"{family.model_id!r}, whose guidance flags are "
+                             f"{', '.join('--' + f.name.replace('_', '-') for f in dataclasses.fields(family.guidance))}")
+    return from_args(family.guidance, args)
 
 
 def _check_lora_args(args) -> None:
@@ -169,14 +188,14 @@ def _check_lora_args(args) -> None:
                          f"(e.g. {' '.join(lora.RECOMMENDED_TARGETS)}), or drop {', '.join(given)} for full fine-tuning")
 
 
-def lora_config(args) -> Optional[lora.LoRAConfig]:
-    """The run's LoRAConfig (LoRAConfig's defaults for the flags not given), or None without
-    --lora-target-modules."""
+def lora_config(args, family):
+    """The run's LoRAConfig, the family's (its defaults for the flags not given; a target the family's
+    model does not have refused in one line), or None without --lora-target-modules."""
     if not args.lora_target_modules:
         return None
     given = {field: getattr(args, dest) for dest, field in ADAPTER_FLAGS.items()
              if field is not None and getattr(args, dest) is not None}
-    return lora.LoRAConfig(targets=tuple(args.lora_target_modules), **given)
+    return family.lora.LoRAConfig(targets=tuple(args.lora_target_modules), **given)
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -1,7 +1,7 @@
 """Builds what a training run needs from MindSpeed-MM style configs (model.json, data.json).
 
 model.json:
-  {"predictor": {"model_id": "flux", "from_pretrained": PATH, "pipeline_num_layers": [..]},
+  {"predictor": {"model_id": "flux" (or Qwen-Image's), "from_pretrained": PATH, "pipeline_num_layers": [..]},
    "ae": {"from_pretrained": PIPELINE_DIR},
    "text_encoder": {"from_pretrained": PIPELINE_DIR, "max_sequence_length": 512,
                     "embeddings_cache": null},
@@ -28,9 +28,11 @@ from pydantic import Field
 
 from mm_grpo.configs import MODEL_FLAG, MODEL_KEYS, ModelFile, block, configured_size
 from mm_grpo.data import PromptStream, read_prompts
+from mm_grpo.families import Family
 from mm_grpo.families.flux import predictor_block as flux_block
-from mm_grpo.families.flux.parts import parts as flux_parts
-from mm_grpo.families.flux.transformer.latents import token_grid
+from mm_grpo.families.flux.family import FAMILY as FLUX
+from mm_grpo.families.qwen_image import predictor_block as qwen_image_block
+from mm_grpo.families.qwen_image.family import FAMILY as QWEN_IMAGE
 from mm_grpo.families.wan import mindspeed_mm as wan
 from mm_grpo.grpo.schedule import GRPOSchedule
 from mm_grpo.rewards.base import RewardConfig
@@ -38,8 +40,11 @@ from mm_grpo.rewards.combined import CombinedReward
 from mm_grpo.settings import Expanded, expand_variables, read_block
 from mm_grpo.training.evaluation import HeldOutParam
 
-# model.json's predictor model_id -> the family's blocks (no model_id: FLUX, mm-grpo's own trainers' model)
-FAMILIES = {flux_block.MODEL_ID: flux_block.MODEL_BLOCKS, wan.MODEL_ID: wan.MODEL_BLOCKS}
+# model.json's predictor model_id -> the family's blocks (no model_id: FLUX)
+FAMILIES = {flux_block.MODEL_ID: flux_block.MODEL_BLOCKS, qwen_image_block.MODEL_ID: qwen_image_block.MODEL_BLOCKS,
+            wan.MODEL_ID: wan.MODEL_BLOCKS}
+# the families mm-grpo's own trainers build (Wan2.1 is MindSpeed-MM's model: mm_grpo.mindspeed_mm.grpo trains it)
+TRAINED = {f.model_id: f for f in (FLUX, QWEN_IMAGE)}
 EVAL_KEYS = tuple(f.name for f in dataclasses.fields(HeldOutParam))  # evaluation.eval_settings
 GRPO_DATASET_KEYS = ("prompt_file", *EVAL_KEYS)
 # torch.Generator.manual_seed takes seeds below 2^64; the prompt stream adds the epoch to this one
@@ -151,21 +156,34 @@ def prompt_streams(data_config, source, seed):
     return train, eval_prompts
 
 
-def check_prompts(text_block, reward, prompts):
+def model_id(model_cfg) -> str:
+    return model_cfg.get("predictor", {}).get("model_id") or flux_block.MODEL_ID
+
+
+def trained_family(model_cfg) -> Family:
+    """The family of model.json's predictor, as mm-grpo's own trainers build it; Wan2.1's refused in one line."""
+    name = model_id(model_cfg)
+    if name not in TRAINED:
+        raise ValueError(f"predictor model_id {name!r} is MindSpeed-MM's model, built by its own `pretrain`: train "
+                         f"it with mm_grpo.mindspeed_mm.grpo (examples/wan/grpo_wan.sh); mm-grpo's trainers build "
+                         f"{', '.join(sorted(TRAINED))}")
+    return TRAINED[name]
+
+
+def check_prompts(text_block, reward, prompts, family: Family):
     """Prompt-dependent errors before any work: mid-iteration each data-parallel rank conditions
     and scores only its own prompts, and an error on one would leave the others in a collective."""
-    if text_block.get("embeddings_cache"):
-        from mm_grpo.families.flux.text import TextEmbeddingCache
-        TextEmbeddingCache(text_block["embeddings_cache"]).check(list(dict.fromkeys(prompts)))
+    family.check_text(text_block, prompts)
     reward.check_prompts(prompts)
 
 
 # --- one GRPO run, as every entry builds it --------------------------------------------------------
 def image_size(model_cfg, height=None, width=None) -> tuple:
     """(height, width) of the generated images: the flags, else model.json's image_size, else the
-    default; refused in one line if FLUX's latent layout (VAE factor x 2x2 packing) does not divide it."""
+    default; refused in one line if the family's latent layout (VAE factor x 2x2 packing) does not divide
+    it (Wan2.1's frames are checked by its own launch checks with FLUX's factor, which is Wan's too)."""
     height, width = configured_size(model_cfg, height, width)
-    token_grid(height, width)
+    TRAINED.get(model_id(model_cfg), FLUX).token_grid(height, width)
     return height, width
 
 
@@ -173,15 +191,18 @@ def grpo_reward(model_cfg, prompts, device) -> CombinedReward:
     """model.json's reward, built, with every prompt checked against it and the text encoder: cheap,
     so every entry runs it before any model is built."""
     reward = CombinedReward.from_configs(block(model_cfg, "reward", MODEL_FLAG), device=device)
-    check_prompts(block(model_cfg, "text_encoder", MODEL_FLAG), reward, prompts)
+    family = TRAINED.get(model_id(model_cfg), FLUX)  # Wan2.1's text: MindSpeed-MM's encoder, no cache
+    check_prompts(block(model_cfg, "text_encoder", MODEL_FLAG), reward, prompts, family)
     return reward
 
 
 def grpo_schedule(settings, policy, model_cfg, reward, device, dtype, guidance, schedule_cls=GRPOSchedule,
-                  ref_policy=None, old_policy=None, parts=flux_parts) -> GRPOSchedule:
+                  ref_policy=None, old_policy=None, parts=None) -> GRPOSchedule:
     """The GRPO schedule of a run: `policy` (this rank's chunks), the reward `grpo_reward` built and the
-    model family's `parts` (conditioner, decoder, denoiser: FLUX's, or mm_grpo/families/wan/mindspeed_mm.py's) with its
-    `guidance` settings; `ref_policy` for the KL term, `old_policy` the sampler."""
+    model family's `parts` (conditioner, decoder, denoiser; default: the trained family's of model.json,
+    else mm_grpo/families/wan/mindspeed_mm.py's) with its `guidance` settings; `ref_policy` for the KL term,
+    `old_policy` the sampler."""
+    parts = parts or trained_family(model_cfg).parts
     conditioner_fn, decoder_fn, denoiser = parts(model_cfg, settings, policy, device, dtype, guidance)
     return schedule_cls(settings, policy, conditioner=conditioner_fn, decoder=decoder_fn, reward=reward,
                         ref_policy=ref_policy, old_policy=old_policy, device=device, denoiser=denoiser)

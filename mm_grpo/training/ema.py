@@ -13,19 +13,19 @@ from typing import List
 
 import torch
 
-from mm_grpo.families.flux.chunks import build_model_chunks
-from mm_grpo.families.flux.transformer import lora
+from mm_grpo.families import Family
 
 
 class PolicyEMA:
-    def __init__(self, policy: List[torch.nn.Module], flux_config, pp_layers, decay: float, ramp: float):
+    def __init__(self, policy: List[torch.nn.Module], family: Family, config, pp_layers, decay: float, ramp: float):
         if not 0 < decay < 1 or not ramp > 0:
             raise ValueError(f"need 0 < --ema-decay < 1 and --ema-decay-ramp > 0, got {decay} and {ramp}")
         self.policy, self.decay, self.ramp = list(policy), decay, ramp
-        self.lora = lora.has_adapters(self.policy[0])
-        self.modules = build_model_chunks(flux_config, pp_layers)
+        self.adapters = family.lora
+        self.lora = self.adapters.has_adapters(self.policy[0])
+        self.modules = family.build_model_chunks(config, pp_layers)
         for chunk, source in zip(self.modules, self.policy):
-            lora.mirror_adapters(source, chunk)
+            self.adapters.mirror_adapters(source, chunk)
             chunk.load_state_dict(source.state_dict())
             params = dict(chunk.named_parameters())
             for name, p in source.named_parameters():
@@ -47,7 +47,7 @@ class PolicyEMA:
 
     def state_dict(self) -> list:
         if self.lora:
-            return [lora.adapter_state_dict(chunk) for chunk in self.modules]
+            return [self.adapters.adapter_state_dict(chunk) for chunk in self.modules]
         return [chunk.state_dict() for chunk in self.modules]
 
     def load_state_dict(self, state: list):
@@ -57,7 +57,7 @@ class PolicyEMA:
         try:
             for chunk, s in zip(self.modules, state):
                 if self.lora:  # adapters only; the base is the policy's
-                    expected = set(lora.adapter_state_dict(chunk))
+                    expected = set(self.adapters.adapter_state_dict(chunk))
                     if set(s) != expected:
                         raise RuntimeError(f"adapters {sorted(set(s) ^ expected)[:3]} differ")
                     chunk.load_state_dict(s, strict=False)

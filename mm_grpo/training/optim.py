@@ -26,7 +26,7 @@ def wrap_ddp(model_chunks, use_distributed_optimizer=False):
 
 def unwrap(chunks):
     """The bare model chunks inside DDP (and any other wrapper that keeps the model in `.module`)."""
-    return [get_attr_wrapped_model(c, "flux_config", return_model_obj=True) for c in chunks]
+    return [get_attr_wrapped_model(c, "block_range", return_model_obj=True) for c in chunks]  # every family's model
 
 
 def build_optimizer(ddp_chunks, args):

@@ -25,6 +25,7 @@ from mm_grpo.data.image_captions import ImageCaptionDataset
 from mm_grpo.families.flux import parts as flux_parts
 from mm_grpo.families.flux.chunks import conditioning, forward_backward
 from mm_grpo.families.flux.denoiser import FluxDenoiser, FluxGuidance
+from mm_grpo.families.flux.family import FAMILY as FLUX
 from mm_grpo.families.flux.transformer.latents import LATENT_FACTOR, VAE_SCALE_FACTOR, pack_latents, token_grid
 from mm_grpo.families.flux.vae import encode_latents
 from mm_grpo.flow import FlowMatchingSettings, flow_matching_loss, noisy_latents, sample_sigmas
@@ -122,6 +123,9 @@ class FlowRun(ConfiguredRun):
 
     def __init__(self, args):
         super().__init__(args)
+        if self.family is not FLUX:
+            raise ValueError(f"flow-matching training (mm_grpo.training.train_flow) trains FLUX; model.json's predictor "
+                             f"is {self.family.model_id!r}")
         check_resume(args)  # the iteration to resume: intact, before --train-iters
         height, width = configs.configured_size(self.model_cfg)
         if height != width and not args.height:
@@ -145,11 +149,11 @@ class FlowRun(ConfiguredRun):
         self.settings = from_args(FlowSettings, args, global_batch_size=args.global_batch_size or
                                   args.micro_batch_size * dp_size, flow=from_args(FlowMatchingSettings, args), guidance=from_args(FluxGuidance, args))
         self.settings.check(dp_size)
-        self.model = build_trainable(args, self.flux_config, self.predictor, parallel)
+        self.model = build_trainable(args, FLUX, self.config, self.predictor, parallel)
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         self.features = FeatureEncoder(configs.block(self.model_cfg, "ae", "--mm-model"),
                                        configs.block(self.model_cfg, "text_encoder", "--mm-model"),
-                                       self.dataset, self.flux_config.in_channels, self.device, dtype,
+                                       self.dataset, self.config.in_channels, self.device, dtype,
                                        cache=bool(params.get("cache_features", False)))
         self.grid = token_grid(size, size)
         self.evaluator = self._evaluator(params)
@@ -171,7 +175,7 @@ class FlowRun(ConfiguredRun):
         return Evaluator(
             prompts, self.features.text, flux_parts.decoder(self.model_cfg["ae"], self.device, torch.float32), reward,
             sigma_schedule(self.args.num_inference_steps, self.args.sigma_shift).to(self.device),
-            FluxDenoiser(self.size, self.size, self.flux_config.in_channels, self.settings.guidance.guidance_scale),
+            FluxDenoiser(self.size, self.size, self.config.in_channels, self.settings.guidance.guidance_scale),
             self.size, self.size, samples_per_prompt, seed=seed, device=self.device)
 
     # --- data -------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""GRPO fine-tuning of FLUX: the Megatron-style entry (run under torchrun).
+"""GRPO fine-tuning of FLUX or Qwen-Image (model.json's predictor): the Megatron-style entry (run under torchrun).
 
     torchrun --nproc_per_node N -m mm_grpo.training.train_grpo \
         --mm-model model.json --mm-data data.json --train-iters 100 ... (see arguments.py)
@@ -9,6 +9,7 @@ evaluated (ODE sampling from fixed noise) before the first iteration, every inte
 the end; the run folder (`--tensorboard-dir`, else `--save`) then gets `reward_curve.png` and
 `before_after.png`.
 """
+import functools
 import math
 import os
 import time
@@ -18,15 +19,12 @@ from megatron.core import parallel_state
 
 from mm_grpo.checkpoint.paths import EMA_KEY
 from mm_grpo.checkpoint.resume import ResumeRefused
-from mm_grpo.families.flux.chunks import build_model_chunks, forward_backward, load_pretrained
-from mm_grpo.families.flux.denoiser import FluxGuidance
-from mm_grpo.families.flux.transformer import lora
 from mm_grpo.grpo.hyperparameters import GRPOSettings
 from mm_grpo.grpo.schedule import GRPOSchedule
 from mm_grpo.parallel import initialize_parallel
 from mm_grpo.settings import from_args
 from mm_grpo.training import components, evaluation
-from mm_grpo.training.arguments import parse_args
+from mm_grpo.training.arguments import family_guidance, parse_args
 from mm_grpo.training.checkpointing import check_resume
 from mm_grpo.training.ema import PolicyEMA
 from mm_grpo.training.entry import run_entry, train_and_report
@@ -35,9 +33,11 @@ from mm_grpo.training.loop import optimizer_step
 from mm_grpo.training.trainable import ConfiguredRun, build_trainable, parallel_config
 
 
-def grpo_iteration(schedule: GRPOSchedule, chunks, optimizer, scheduler, iteration: int, prompts) -> dict:
+def grpo_iteration(schedule: GRPOSchedule, chunks, optimizer, scheduler, iteration: int, prompts,
+                   forward_backward) -> dict:
     """One GRPO iteration: the schedule's rollout, reward and advantages, then each of its updates
-    through the one optimizer step (`chunks`: this rank's DDP-wrapped policy)."""
+    through the one optimizer step (`chunks`: this rank's DDP-wrapped policy; `forward_backward`: the
+    family's, the model called as the schedule's denoiser calls it)."""
     updates, stats = schedule.prepare(iteration, prompts)
     if updates is None:  # non-finite rewards: skipped
         return stats
@@ -72,25 +72,29 @@ class GRPORun(ConfiguredRun):
         if args.global_batch_size is not None:
             self.settings.batch.check_global_batch_size(args.global_batch_size)
         # The policy.
-        self.model = build_trainable(args, self.flux_config, self.predictor, parallel)
+        family = self.family
+        guidance = family_guidance(args, family)
+        self.model = build_trainable(args, family, self.config, self.predictor, parallel)
         ref_policy = None
         if args.kl_beta > 0 and self.model.lora:  # the base: the policy's own weights, adapters off
-            ref_policy = lora.reference_policy(self.model.modules)
+            ref_policy = family.lora.reference_policy(self.model.modules)
         elif args.kl_beta > 0:  # the frozen reference is the starting policy
             if self.model.initial is None:
                 raise ValueError("--kl-beta > 0 needs the starting weights: predictor.from_pretrained in --mm-model")
-            ref_policy = load_pretrained(build_model_chunks(self.flux_config, self.model.pp_layers), self.model.initial)
+            ref_policy = family.load_pretrained(family.build_model_chunks(self.config, self.model.pp_layers),
+                                                self.model.initial)
             for chunk in ref_policy:
                 chunk.requires_grad_(False)
         self.ema = None
         if args.ema_decay:  # built from the starting weights; a resume loads the checkpoint's average
-            self.ema = PolicyEMA(self.model.modules, self.flux_config, self.model.pp_layers, args.ema_decay,
+            self.ema = PolicyEMA(self.model.modules, family, self.config, self.model.pp_layers, args.ema_decay,
                                  args.ema_decay_ramp)
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         self.schedule = components.grpo_schedule(self.settings, self.model.modules, self.model_cfg, self.reward,
-                                                 self.device, dtype, from_args(FluxGuidance, args),
-                                                 ref_policy=ref_policy,
-                                                 old_policy=self.ema.modules if self.ema else None)
+                                                 self.device, dtype, guidance, ref_policy=ref_policy,
+                                                 old_policy=self.ema.modules if self.ema else None,
+                                                 parts=family.parts)
+        self.forward_backward = functools.partial(family.forward_backward, denoiser=self.schedule.denoiser)
         self.evaluator = self._evaluator()
         self.train_rewards = []  # reward/mean per iteration from iteration 0, across resumes (the figures)
         if self.model.resume:
@@ -114,7 +118,8 @@ class GRPORun(ConfiguredRun):
     def step(self, iteration):
         prompts = self.prompts.next_batch(self.settings.prompts_per_iteration)
         m = self.model
-        stats = grpo_iteration(self.schedule, m.chunks, m.optimizer, m.scheduler, iteration, prompts)
+        stats = grpo_iteration(self.schedule, m.chunks, m.optimizer, m.scheduler, iteration, prompts,
+                               self.forward_backward)
         if self.ema is not None:
             self.ema.update(iteration)
             stats["ema_decay"] = self.ema.eta(iteration)

@@ -21,7 +21,7 @@ from mm_grpo.families.flux.transformer.hf_weights import check_hf_weights, load_
 from mm_grpo.families.flux.transformer.latents import prepare_latent_image_ids
 from mm_grpo.families.flux.transformer.model import FluxTransformer, transformer_config
 from mm_grpo.parallel.pipeline_layout import PPLayers, resolve_pp_layers, stage_specs
-from mm_grpo.parallel.schedule import forward_only, results_to_host, run_schedule
+from mm_grpo.parallel.schedule import forward_only, keyword_call, results_to_host, run_schedule
 from mm_grpo.parallel.state import is_last_stage, object_from_last_stage
 from mm_grpo.parallel.ulysses import SequenceShard
 
@@ -83,19 +83,20 @@ def _micro_batch_layout(micro_batches: Sequence[Dict]):
     return shapes.pop()
 
 
-def _run_schedule(model_chunks, micro_batches, loss_func, forward_only, collect_non_loss_data=False):
+def _run_schedule(model_chunks, micro_batches, loss_func, forward_only, collect_non_loss_data=False, forward=None):
     """megatron-core's schedule over `micro_batches`; returns the last stage's forward data."""
     mbs, n_txt, n_img = _micro_batch_layout(micro_batches)
     seq = SequenceShard.current(n_txt, n_img)
     # Megatron's p2p shape is (seq_length // CP, mbs, D): this rank's rows + the temb row.
-    return run_schedule(model_chunks, micro_batches, FORWARD_KEYS, loss_func, seq.size * (seq.local_len + 1), mbs,
-                        forward_only, collect_non_loss_data)
+    return run_schedule(model_chunks, micro_batches, forward or keyword_call(FORWARD_KEYS), loss_func,
+                        seq.size * (seq.local_len + 1), mbs, forward_only, collect_non_loss_data)
 
 
 # --- training -------------------------------------------------------------------------
 def forward_backward(model_chunks: Sequence[FluxTransformer], micro_batches: Sequence[Dict],
-                     loss_fn: Callable, forward_only: bool = False) -> List[Dict]:
-    """Forward (and backward) of `micro_batches` through megatron-core's pipeline schedule.
+                     loss_fn: Callable, forward_only: bool = False, denoiser=None) -> List[Dict]:
+    """Forward (and backward) of `micro_batches` through megatron-core's pipeline schedule (the model
+    called by `denoiser.forward` when given, as MindSpeed-MM's forward step does; else as it is).
 
     micro_batches: dicts with FluxTransformer.forward's kwargs (diffusers meaning, whole
         sequences, the same on every rank of the model-parallel group) + what the loss needs.
@@ -111,7 +112,8 @@ def forward_backward(model_chunks: Sequence[FluxTransformer], micro_batches: Seq
         # Megatron scales the returned loss in place, so record a copy.
         return loss, {"loss": loss.detach().clone(), **stats}
 
-    results = _run_schedule(model_chunks, micro_batches, loss_func, forward_only)
+    results = _run_schedule(model_chunks, micro_batches, loss_func, forward_only,
+                            forward=None if denoiser is None else denoiser.forward)
     return object_from_last_stage(results_to_host(results) if is_last_stage() else None)
 
 

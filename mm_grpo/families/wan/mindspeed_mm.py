@@ -183,11 +183,15 @@ class WanGuidance:
         1.0, "classifier-free guidance of a model without a guidance embedding (Wan): the velocity v_uncond + "
              "s (v_cond - v_uncond) in the rollout and in the trained steps, DanceGRPO's --cfg_infer (its Wan "
              "recipe: 5); 1: none", minimum=1.0)
-    negative_prompt: str = setting(WAN_NEGATIVE_PROMPT, "the unconditional prompt of --cfg-scale (default: "
-                                                        "MindSpeed-MM's Wan2.1 negative prompt)")
+    negative_prompt: Optional[str] = None  # --negative-prompt (mm_grpo/grpo/denoiser.py NegativePrompt)
+
+    @property
+    def unconditional_prompt(self) -> str:
+        """--negative-prompt, by default MindSpeed-MM's Wan2.1 negative prompt."""
+        return WAN_NEGATIVE_PROMPT if self.negative_prompt is None else self.negative_prompt
 
     def check(self):
-        if self.negative_prompt != WAN_NEGATIVE_PROMPT and self.cfg_scale == 1:
+        if self.negative_prompt is not None and self.cfg_scale == 1:
             raise ValueError("--negative-prompt is the unconditional prompt of classifier-free guidance, which is "
                              "off: add --cfg-scale > 1")
 
@@ -287,6 +291,6 @@ def parts(model_cfg, settings, policy, device, dtype, guidance: WanGuidance):
     frames, height, width = video_size(model_cfg)
     channels = check_predictor_block(block(model_cfg, "predictor", MODEL_FLAG), f"{MODEL_FLAG} predictor").in_dim
     shape = video_latent_shape(frames, height, width, channels)
-    negative = encoder.encode([guidance.negative_prompt]) if guidance.cfg_scale != 1 else None
+    negative = encoder.encode([guidance.unconditional_prompt]) if guidance.cfg_scale != 1 else None
     denoiser = WanDenoiser(shape, guidance.cfg_scale, negative)
     return encoder.encode, (lambda latents, height, width: vae(latents)), denoiser
