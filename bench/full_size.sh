@@ -36,12 +36,23 @@
 #   reference      60  the DanceGRPO-style reference alone, kernels launched synchronously
 #   ratio         300  the reference against mm-grpo at the flux-width preset, taking turns
 #   width20       150  FLUX width with LoRA 64 for 20 iterations: ratio and finiteness in bf16
-# Environment: OUT_DIR, STEPS, MODEL (flux-dev | tiny), SCALE (multiplies every bound; tiny: 8),
-# ANCHOR_CALLS (4).
+# Qwen-Image (bench/full_size_qwen_image.py), MODEL=qwen-image (20B, random weights: LoRA 64, G 12 at
+# 512 px, true CFG 4) or qwen-image-tiny (the tiny pipeline's sizes, on CPU in seconds), bounds not
+# measured on an accelerator yet:
+#   anchors       300  one transformer call, diffusers' QwenImageTransformer2DModel beside mm-grpo's base
+#                      and its LoRA model, eager and compiled, forward and forward + backward, median of
+#                      ANCHOR_CALLS, ratios, the velocity errors (tiny: 18 s on 2 CPU cores)
+#   grpo          240  one warm-up + one timed GRPO iteration, phases, peak, the plan's prediction (tiny: 8 s)
+#   COMPILE_BACKEND (Qwen-Image only): torch.compile's backend (default inductor; eager: dynamo alone)
+# Environment: OUT_DIR, STEPS, MODEL (flux-dev | tiny | qwen-image | qwen-image-tiny), SCALE (multiplies
+# every bound; tiny: 8), ANCHOR_CALLS (4).
 set -uo pipefail
 OUT_DIR=${OUT_DIR:-runs/full_size}
-STEPS=${STEPS:-anchors grpo grpo_compiled loop summary}
 MODEL=${MODEL:-flux-dev}
+case $MODEL in
+    qwen-image|qwen-image-tiny) STEPS=${STEPS:-anchors grpo} ;;
+    *) STEPS=${STEPS:-anchors grpo grpo_compiled loop summary} ;;
+esac
 ANCHOR_CALLS=${ANCHOR_CALLS:-4}
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1
@@ -69,7 +80,17 @@ run() {  # run SECONDS COMMAND...: bounded (SCALE x SECONDS), output appended to
 if command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$LOG"
 fi
+QWEN_IMAGE="python3 -m bench.full_size_qwen_image --model $MODEL --workdir /tmp/mm_grpo_full_size_$MODEL \
+    ${COMPILE_BACKEND:+--compile-backend $COMPILE_BACKEND}"
+qwen_image_step() {  # qwen_image_step STEP: bench/full_size_qwen_image.py's steps
+    case $1 in
+        anchors) TORCH_LOGS=recompiles run 300 $QWEN_IMAGE anchors --calls "$ANCHOR_CALLS" --json "$OUT_DIR/anchors.json" ;;
+        grpo) run 240 $QWEN_IMAGE grpo --iters 1 --json "$OUT_DIR/grpo.json" ;;
+        *) echo "unknown step $1 for $MODEL (anchors grpo)" >&2; exit 2 ;;
+    esac
+}
 for step in $STEPS; do
+    case $MODEL in qwen-image|qwen-image-tiny) qwen_image_step "$step"; continue ;; esac
     case $step in
         smoke) run 35 $FS --anchors --depth 1 1 --sizes $CALL --no-anchor-compile --anchor-calls 1 \
                    --json "$OUT_DIR/smoke.json" ;;

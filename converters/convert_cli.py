@@ -24,10 +24,11 @@ from jsonargparse import auto_cli
 
 from converters import mindspeed_mm
 from converters.flux import FluxConverter
+from converters.qwen_image import QwenImageConverter
 from mm_grpo.checkpoint import checksum
 
 # A dict keeps the class name as the command group even with a single converter.
-CONVERTERS = {"FluxConverter": FluxConverter}
+CONVERTERS = {"FluxConverter": FluxConverter, "QwenImageConverter": QwenImageConverter}
 
 
 def _stop(signum, frame):

@@ -25,6 +25,13 @@ def tiny_pipeline_dir(tmp_path_factory):
     return build_tiny_pipeline(tmp_path_factory.mktemp("tiny_flux") / "pipeline", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen_image_pipeline_dir(tmp_path_factory):
+    """A tiny diffusers Qwen-Image pipeline folder (mm_grpo.families.qwen_image.tiny, seed 0), built once per session."""
+    from mm_grpo.families.qwen_image.tiny import build_tiny_pipeline as build_tiny_qwen_image
+    return build_tiny_qwen_image(tmp_path_factory.mktemp("tiny_qwen_image") / "pipeline", seed=0)
+
+
 def pytest_collection_finish(session):
     # Everything imported so far lives as long as the process: out of the collector's sight, so that
     # the full collections that free a layout's process groups (destroy_parallel) do not walk every

@@ -417,9 +417,10 @@ REFUSALS = {
     "max_skipped": (["--max-skipped-iterations", "-1"], r"--max-skipped-iterations must be >= 0, got -1"),
     "cfg_flux": (["--cfg-scale", "5"], r"^--cfg-scale 5.0: FLUX.1 is guidance-distilled .* \(--guidance-scale\)"),
     "cfg_below_1": (["--cfg-scale", "0.5"], r"--cfg-scale must be >= 1.0, got 0.5"),
-    "negative_prompt_without_cfg": (["--negative-prompt", "blurry"], r"^--negative-prompt is the unconditional "
-                                                                     r"prompt of classifier-free guidance, which is "
-                                                                     r"off: add --cfg-scale > 1$"),
+    # FLUX has no unconditional prompt (Wan's refusal without --cfg-scale: tests/test_wan_grpo.py)
+    "negative_prompt_flux": (["--negative-prompt", "blurry"], r"^--negative-prompt: the guidance of another model "
+                                                              r"family; model.json's predictor is 'flux', whose "
+                                                              r"guidance flags are --guidance-scale$"),
     "prompt_file": (lambda t: ["--mm-data", "{missing_prompts}"], r"prompt file not found"),
 }
 

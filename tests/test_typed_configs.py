@@ -38,7 +38,7 @@ def _set(block, **values):
 @pytest.mark.parametrize("edit, where, line", [
     # trained FLUX and exited 0
     (_set("predictor", model_id="fluxx"), "predictor",
-     "model_id must be one of \"flux\", \"wandit\", got 'fluxx' (did you mean \"flux\"?)"),
+     "model_id must be one of \"flux\", \"mmgrpo_qwenimage\", \"wandit\", got 'fluxx' (did you mean \"flux\"?)"),
     (_set("text_encoder", model_id="flux_text_encoder"), "text_encoder",
      "model_id must be \"flux_text_encoders\", got 'flux_text_encoder' (did you mean \"flux_text_encoders\"?)"),
     (_set("ae", model_id="wan_video_vae"), "ae",  # Wan's VAE under a FLUX predictor

@@ -69,8 +69,9 @@ from mm_grpo import configs
 from mm_grpo.checkpoint import resume
 from mm_grpo.data import PromptStream
 from mm_grpo.families.flux.denoiser import FluxGuidance
-from mm_grpo.families.flux.parts import parts as flux_parts
+from mm_grpo.families.qwen_image.denoiser import QwenImageGuidance
 from mm_grpo.families.wan import mindspeed_mm as wan
+from mm_grpo.grpo.denoiser import NegativePrompt
 from mm_grpo.files.jsonfile import load_json
 from mm_grpo.files.lock import RunFolderLocked
 from mm_grpo.grpo.hyperparameters import GRPOSettings
@@ -79,7 +80,7 @@ from mm_grpo.mindspeed_mm.adapter import GRPOMicroBatches, grpo_forward_step, ro
 from mm_grpo.rewards.combined import CombinedReward
 from mm_grpo.settings import accept_negative_numbers, add_setting_args, check_bounds, from_args
 from mm_grpo.training import components, run_guard
-from mm_grpo.training.arguments import GuardArgs, HeldOutArgs, OneLineParser, OptimizerArgs
+from mm_grpo.training.arguments import GuardArgs, HeldOutArgs, OneLineParser, OptimizerArgs, family_guidance
 from mm_grpo.training.entry import run_entry, speaks_for_launch
 from mm_grpo.training.evaluation import compare, eval_settings, held_out_evaluator
 from mm_grpo.training.logging_utils import is_logging_rank
@@ -88,10 +89,10 @@ from mm_grpo.training.preemption import check_exit_args
 OWN_TRAINER = "mm_grpo.training.train_grpo"
 MODEL_BLOCKS = ("predictor", "ae", "text_encoder", "reward")  # what --mm-model must hold
 PP_REFUSAL = (
-    "pipeline parallelism (--pipeline-model-parallel-size {pp}) is not supported for FLUX by "
+    "pipeline parallelism (--pipeline-model-parallel-size {pp}) is not supported for {model} by "
     "mm_grpo.mindspeed_mm.grpo: it gives Megatron's pipeline schedule the stage tensors of MindSpeed-MM's wandit "
     "only (docs/grpo_schedule.md section 11); use --pipeline-model-parallel-size 1, or "
-    f"{OWN_TRAINER}, which runs FLUX under PP and VPP")
+    f"{OWN_TRAINER}, which runs it under PP and VPP")
 EMA_REFUSAL = (
     "{flag}: mm_grpo.mindspeed_mm.grpo keeps no EMA of the policy (MindSpeed's parser reads --ema-decay as its "
     "fused_ema_adamw optimizer's decay, with --optimizer-selection fused_ema_adamw, and Megatron's checkpoint "
@@ -99,7 +100,7 @@ EMA_REFUSAL = (
 
 
 # the GRPO group's flags beside MindSpeed-MM's own (the batch sizes and the seed are Megatron's)
-OWN_SETTINGS = (GRPOSettings, FluxGuidance, wan.WanGuidance, GuardArgs, HeldOutArgs)
+OWN_SETTINGS = (GRPOSettings, FluxGuidance, wan.WanGuidance, QwenImageGuidance, NegativePrompt, GuardArgs, HeldOutArgs)
 
 
 class LaunchRefused(ValueError):
@@ -128,7 +129,7 @@ class Launch:
     prompts: PromptStream
     eval_prompts: Optional[List[str]]  # the held-out prompts evaluated (--eval-prompts of eval_prompt_file)
     reward: CombinedReward
-    guidance: object  # the model family's guidance settings: FluxGuidance or wan.WanGuidance
+    guidance: object  # the model family's guidance settings: FluxGuidance, QwenImageGuidance or wan.WanGuidance
 
 
 def parse_launch_args(argv) -> argparse.Namespace:
@@ -160,17 +161,27 @@ def grpo_settings(args, model_cfg, dp_size: int) -> GRPOSettings:
     return settings
 
 
+# Why Wan's --cfg-scale does not apply to a family mm-grpo builds
+CFG_SCALE_REFUSALS = {
+    "FLUX": "FLUX.1 is guidance-distilled and takes its guidance as an embedding (--guidance-scale); "
+            "classifier-free guidance is for models without one (Wan)",
+    "Qwen-Image": "Qwen-Image's classifier-free guidance is QwenImagePipeline's true CFG (--true-cfg-scale)"}
+
+
 def guidance_settings(args, model_cfg):
-    """The model family's guidance flags: Wan's classifier-free guidance, or FLUX's embedding (where
-    --cfg-scale is refused in one line)."""
-    guidance = from_args(wan.WanGuidance, args)
-    guidance.check()
+    """The model family's guidance flags: Wan's classifier-free guidance, Qwen-Image's true CFG, or FLUX's
+    embedding; another family's guidance flag is refused in one line."""
     if wan.is_wan(model_cfg):
+        guidance = from_args(wan.WanGuidance, args)
+        guidance.check()
+        if args.true_cfg_scale != QwenImageGuidance.true_cfg_scale:
+            raise ValueError("--true-cfg-scale is Qwen-Image's true CFG; Wan2.1's classifier-free guidance is "
+                             "--cfg-scale")
         return guidance
-    if args.cfg_scale != 1:
-        raise ValueError(f"--cfg-scale {args.cfg_scale}: FLUX.1 is guidance-distilled and takes its guidance as "
-                         "an embedding (--guidance-scale); classifier-free guidance is for models without one (Wan)")
-    return from_args(FluxGuidance, args)
+    family = components.trained_family(model_cfg)
+    if args.cfg_scale != wan.WanGuidance.cfg_scale:
+        raise ValueError(f"--cfg-scale {args.cfg_scale}: {CFG_SCALE_REFUSALS[family.name]}")
+    return family_guidance(args, family)
 
 
 def resumed_iteration(args) -> int:
@@ -225,7 +236,8 @@ def _check_launch(argv) -> Launch:
     if wan.is_wan(model_cfg):
         wan.check_wan_launch(args, model_cfg)
     elif args.pipeline_model_parallel_size > 1:
-        raise ValueError(PP_REFUSAL.format(pp=args.pipeline_model_parallel_size))
+        raise ValueError(PP_REFUSAL.format(pp=args.pipeline_model_parallel_size,
+                                          model=components.trained_family(model_cfg).name))
     model_parallel = args.tensor_model_parallel_size * args.context_parallel_size * args.pipeline_model_parallel_size
     if args.world_size % model_parallel:
         raise ValueError(f"{args.world_size} processes do not split into tensor x context x pipeline parallel groups "
@@ -304,7 +316,7 @@ class GRPOInPretrain:
             self.lock = run_guard.prepare_save_folder(args.save, run_guard.checkpoint_bytes(self.policy))
         device = mm_grpo.get_platform().device
         dtype = torch.bfloat16 if args.bf16 else torch.float32
-        parts = wan.parts if wan.is_wan(launch.model_cfg) else flux_parts
+        parts = wan.parts if wan.is_wan(launch.model_cfg) else components.trained_family(launch.model_cfg).parts
         self.schedule = components.grpo_schedule(launch.settings, self.policy, launch.model_cfg, launch.reward,
                                                  device, dtype, launch.guidance,
                                                  ref_policy=self.reference_policy(args, device), parts=parts)

@@ -3,7 +3,7 @@
 MindSpeed-MM keeps its DiT predictors in `PREDICTOR_MODEL_MAPPINGS`
 (`mindspeed_mm/models/predictor/predict_model.py`). Importing this module registers every
 model there: at once if MindSpeed-MM's module is already imported, otherwise the moment it
-is (an import hook), so `"model_id": "flux"` works in any MindSpeed-MM entry script run
+is (an import hook), so `"model_id": "flux"` (and Qwen-Image's `"mmgrpo_qwenimage"`) works in any MindSpeed-MM entry script run
 through mm-grpo (`python -m mm_grpo.mindspeed_mm.run SCRIPT ARGS`) with no call to remember.
 """
 import importlib.abc
@@ -13,9 +13,11 @@ import sys
 
 from mm_grpo.families.flux import predictor_block
 from mm_grpo.families.flux.mindspeed_mm import FluxPredictor
+from mm_grpo.families.qwen_image import predictor_block as qwen_image_block
+from mm_grpo.families.qwen_image.mindspeed_mm import QwenImagePredictor
 
 MINDSPEED_MM_PREDICTORS = "mindspeed_mm.models.predictor.predict_model"
-MODEL_REGISTRY = {predictor_block.MODEL_ID: FluxPredictor}
+MODEL_REGISTRY = {predictor_block.MODEL_ID: FluxPredictor, qwen_image_block.MODEL_ID: QwenImagePredictor}
 
 
 def build_model(model_id, **kwargs):

@@ -26,3 +26,16 @@ def test_pipeline_stages_virtual_stages_and_their_mix_with_tp_and_sp_match_the_s
 def test_the_rollouts_true_cfg_velocity_through_pipeline_stages_matches_the_single_process(torchrun):
     m = check_result(torchrun(4), "qwen_image_pipelined_true_cfg_velocity_matches_single_process")
     assert set(m) == {"pp2_sp2", "pp2_vpp2"} and max(m.values()) <= TOL, m
+
+
+def test_checkpoints_of_other_layouts_load_into_running_pipelines(torchrun):
+    m = check_result(torchrun(4), "qwen_image_checkpoints_of_other_layouts_load_into_running_pipelines")
+    assert set(m) == {"tp2_pp2", "pp2_vpp2"}
+    for running, loaded in m.items():
+        assert loaded.pop("params_on_a_rank") > 40 and loaded == {"tp4": True, "pp2": True, "tp2_vpp2": True}, running
+
+
+def test_lora_at_tp2_pp2_matches_the_single_process(torchrun):
+    m = check_result(torchrun(4), "qwen_image_lora_tp2_pp2_matches_single_process")
+    assert m["n_micro_batches"] == 4 and m["all_grads_compared"] and m["n_grads"] == 76 and m["base_frozen"]
+    assert m["out_err"] <= 1e-5 and m["grad_err"] <= 1e-5

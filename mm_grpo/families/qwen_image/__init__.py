@@ -7,7 +7,8 @@
 - denoiser and guidance: `denoiser.py` (`QwenImageDenoiser`, `QwenImageGuidance`: true CFG against a
   negative prompt, the guided velocity rescaled to the conditional one's norm).
 
-Still to come (docs/qwen_image.md, "Status"): `parts`, the Qwen2.5-VL encoder and VAE, the checkpoint
-layout and `mm-convert QwenImageConverter`, LoRA, the MindSpeed-MM predictor and scripts, the planner,
-the tiny pipeline and its demo.
+- the trainers' view: `family.py` (`Family`), `predictor_block.py`, `parts.py`; the checkpoint layout:
+  `checkpoint/` (and `converters/qwen_image.py`); LoRA: `transformer/lora.py`, `transformer/lora_hf.py`;
+- encoders and latents: `text.py` (Qwen2.5-VL, the feature cache), `vae.py`, `sigmas.py` (the pipeline's schedule);
+- MindSpeed-MM glue: `mindspeed_mm.py`; planner: `plan.py`, `plan_cli.py`; tiny builder: `tiny.py`.
 """

@@ -15,7 +15,7 @@ from mm_grpo.families.qwen_image.transformer.config import QwenImageConfig
 from mm_grpo.families.qwen_image.transformer.hf_weights import check_hf_weights, load_hf_weights, open_diffusers_weights
 from mm_grpo.families.qwen_image.transformer.model import QwenImageTransformer, transformer_config
 from mm_grpo.parallel.pipeline_layout import PPLayers, resolve_pp_layers, stage_specs
-from mm_grpo.parallel.schedule import forward_only, results_to_host, run_schedule
+from mm_grpo.parallel.schedule import forward_only, keyword_call, results_to_host, run_schedule
 from mm_grpo.parallel.state import is_last_stage, object_from_last_stage
 from mm_grpo.parallel.ulysses import SequenceShard
 
@@ -61,21 +61,27 @@ def _micro_batch_layout(micro_batches: Sequence[Dict]):
 
 
 def forward_backward(model_chunks: Sequence[QwenImageTransformer], micro_batches: Sequence[Dict],
-                     loss_fn: Callable, forward_only: bool = False) -> List[Dict]:
+                     loss_fn: Callable, forward_only: bool = False, denoiser=None) -> List[Dict]:
     """Forward (and backward) of `micro_batches` (QwenImageTransformer.forward's kwargs, whole, the same
-    on every rank of the model-parallel group, + what the loss reads) through megatron-core's schedule.
+    on every rank of the model-parallel group, + what the loss reads) through megatron-core's schedule;
+    the model called by `denoiser.forward` when given (under true CFG one call of 2 x the samples, the
+    prompts and the negative prompt padded to one length: the stages then exchange that shape).
     loss_fn(output [B, S_img, C] gathered over SP, micro_batch) -> (loss, stats) runs on the last stage;
     returns {"loss", **stats} per micro-batch, on the CPU, on every rank of the pipeline group (gradients
     follow Megatron's convention, as FLUX's `chunks.forward_backward`)."""
     mbs, n_txt, n_img = _micro_batch_layout(micro_batches)
+    copies = 2 if getattr(denoiser, "guided", False) else 1
+    if copies > 1:
+        n_txt = max(n_txt, micro_batches[0]["negative_encoder_hidden_states"].shape[1])
     seq = SequenceShard.current(n_txt, n_img)
 
     def loss_func(output, batch):
         loss, stats = loss_fn(output, batch)
         return loss, {"loss": loss.detach().clone(), **stats}  # Megatron scales the loss in place
 
-    results = run_schedule(model_chunks, micro_batches, FORWARD_KEYS, loss_func, seq.size * (seq.local_len + 1), mbs,
-                           forward_only)
+    forward = keyword_call(FORWARD_KEYS) if denoiser is None else denoiser.forward
+    results = run_schedule(model_chunks, micro_batches, forward, loss_func, seq.size * (seq.local_len + 1),
+                           copies * mbs, forward_only)
     return object_from_last_stage(results_to_host(results) if is_last_stage() else None)
 
 
@@ -148,3 +154,17 @@ def make_velocity_fn(model_chunks: Sequence[QwenImageTransformer], cond: Dict, m
         return torch.cat([true_cfg(c, u, true_cfg_scale) for c, u in pairs])
 
     return velocity_fn
+
+
+def load_pretrained(model_chunks, path):
+    """Weights for one model chunk or a rank's list of chunks, from a Megatron checkpoint (any TP / PP;
+    mm-convert QwenImageConverter hf_to_mm, or a training run's) or a diffusers transformer or pipeline
+    folder (cut on the fly)."""
+    from mm_grpo.checkpoint import is_megatron_checkpoint
+    from mm_grpo.families.qwen_image.checkpoint import load_megatron_checkpoint
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    if is_megatron_checkpoint(path):
+        load_megatron_checkpoint(chunks, path)
+    else:
+        load_hf_weights_into_chunks(chunks, path)
+    return model_chunks

@@ -2,18 +2,20 @@
 Qwen2.5-VL features with their mask) and its guidance settings (QwenImagePipeline's true CFG: a
 negative prompt, `true_cfg_scale`, the guided velocity rescaled to the conditional one's norm)."""
 import dataclasses
-from typing import Dict, Optional, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 from megatron.core.utils import get_attr_wrapped_model
 
 from mm_grpo.families.qwen_image.chunks import FORWARD_KEYS, guided_inputs, make_velocity_fn, true_cfg
+from mm_grpo.families.qwen_image.sigmas import sigma_schedule
 from mm_grpo.grpo.denoiser import Denoiser
 from mm_grpo.settings import setting
 
 VAE_SCALE_FACTOR = 8  # AutoencoderKLQwenImage: 2 ** len(temperal_downsample) pixels per latent side
 PATCH = 2  # latents packed 2 x 2 into a token, as QwenImagePipeline._pack_latents
 TRUE_CFG_SCALE = 4.0  # QwenImagePipeline's default true_cfg_scale
+NEGATIVE_PROMPT = " "  # QwenImagePipeline: true CFG needs a negative prompt, and " " is its advice
 
 
 def token_grid(height: int, width: int) -> Tuple[int, int]:
@@ -35,6 +37,7 @@ class QwenImageDenoiser(Denoiser):
     true_cfg_scale: float = 1.0
     negative: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = dataclasses.field(
         default=None, compare=False, repr=False)
+    scheduler: Optional[Mapping] = None  # the pipeline's scheduler_config.json (None: Qwen-Image's)
 
     per_sample_keys = ("encoder_hidden_states", "encoder_hidden_states_mask")
 
@@ -44,9 +47,16 @@ class QwenImageDenoiser(Denoiser):
             raise ValueError(f"true_cfg_scale {self.true_cfg_scale} needs the negative prompt's features")
 
     @classmethod
-    def of(cls, chunks, height: int, width: int, true_cfg_scale: float = 1.0, negative=None) -> "QwenImageDenoiser":
+    def of(cls, chunks, height: int, width: int, true_cfg_scale: float = 1.0, negative=None,
+           scheduler: Optional[Mapping] = None) -> "QwenImageDenoiser":
         config = get_attr_wrapped_model(chunks[0], "qwen_config")
-        return cls(height, width, config.in_channels, true_cfg_scale, negative)
+        return cls(height, width, config.in_channels, true_cfg_scale, negative, scheduler)
+
+    def sigmas(self, num_steps: int, shift: float) -> torch.Tensor:
+        """QwenImagePipeline's schedule for this image size (its resolution-dependent shift and terminal
+        stretch, `sigmas.py`), as flow_grpo's Qwen-Image rollouts take it; `shift` is FLUX's and unused."""
+        rows, cols = token_grid(self.height, self.width)
+        return sigma_schedule(num_steps, rows * cols, self.scheduler)
 
     @property
     def guided(self) -> bool:
@@ -104,4 +114,9 @@ class QwenImageGuidance:
     """Qwen-Image's true classifier-free guidance (--true-cfg-scale, --negative-prompt)."""
     true_cfg_scale: float = setting(TRUE_CFG_SCALE, "true CFG scale (QwenImagePipeline's true_cfg_scale; 1 turns "
                                     "guidance off)", minimum=1)
-    negative_prompt: str = setting(" ", "the negative prompt of true CFG (QwenImagePipeline's advice: at least ' ')")
+    negative_prompt: Optional[str] = None  # --negative-prompt (mm_grpo/grpo/denoiser.py NegativePrompt)
+
+    @property
+    def unconditional_prompt(self) -> str:
+        """--negative-prompt, by default QwenImagePipeline's advice for true CFG: at least a space."""
+        return NEGATIVE_PROMPT if self.negative_prompt is None else self.negative_prompt
