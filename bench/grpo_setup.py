@@ -161,7 +161,9 @@ def build_mm_grpo(preset: Preset, paths: dict, device, schedule_cls=None, lora_c
     schedule = trainer_components.grpo_schedule(
         preset.settings(**setting_overrides), chunks, blocks, trainer_components.grpo_reward(blocks, PROMPTS, device),
         device, preset.dtype, FluxGuidance(), schedule_cls=schedule_cls or GRPOSchedule)
-    return schedule, functools.partial(grpo_iteration, schedule, policy, optimizer, scheduler)
+    from mm_grpo.families.flux.chunks import forward_backward
+    return schedule, functools.partial(grpo_iteration, schedule, policy, optimizer, scheduler,
+                                       forward_backward=functools.partial(forward_backward, denoiser=schedule.denoiser))
 
 
 def default_workdir() -> Path:

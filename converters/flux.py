@@ -18,29 +18,20 @@ import contextlib
 import dataclasses
 import os
 import time
-from typing import Callable, List, Literal, Optional, Union
+from typing import List, Literal, Optional, Union
 
-import diffusers
-import torch
-from tqdm import tqdm
 
-from converters import flux_lora
+from converters import flux_lora, megatron_io
 from converters.bfl import BflWeights, looks_like_bfl
-from converters.diffusers_io import INDEX_FILE, write_diffusers_folder
 from converters.mindspeed_mm import Converter
 from converters.target_guard import prepare_target
-from mm_grpo.checkpoint import CheckpointWriter, is_megatron_checkpoint
-from mm_grpo.checkpoint.paths import RELEASE, TRACKER_FILE
+from mm_grpo.checkpoint import is_megatron_checkpoint
 from mm_grpo.families.flux.checkpoint import CheckpointMeta, MegatronCheckpoint
 from mm_grpo.families.flux.transformer import layout
 from mm_grpo.families.flux.transformer.config import PRESETS, FluxConfig
 from mm_grpo.families.flux.transformer.hf_weights import check_hf_weights, open_diffusers_weights, transformer_dir
-from mm_grpo.files.atomic import atomic_dir, atomic_entries
-from mm_grpo.files.jsonfile import load_json
 from mm_grpo.files.safetensors_weights import SafetensorsWeights
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DEFAULT_SHARD_SIZE = "10GB"  # diffusers' save_pretrained default
 DtypeName = Optional[Literal["bf16", "fp16", "fp32"]]
 PresetName = Optional[Literal[tuple(PRESETS)]]
 
@@ -164,63 +155,64 @@ class FluxConverter(Converter):
         weights, config = open_hf_source(cfg.source_path, cfg.hf_dir, cfg.preset)
         meta = _target_meta(config, cfg.target_parallel_config, cfg.dtype, {weights.meta(h).dtype for h in weights})
         prepare_target(cfg.source_path, cfg.target_path, in_place_ok=True)
-        in_place = _same_path(cfg.source_path, cfg.target_path)
+        in_place = megatron_io.same_path(cfg.source_path, cfg.target_path)
         if in_place:
-            _check_in_place(cfg.target_path, cfg.overwrite)
+            megatron_io.check_in_place(cfg.target_path, cfg.overwrite)
         else:
-            _check_target(cfg.target_path, cfg.overwrite, is_megatron_checkpoint)
+            megatron_io.check_target(cfg.target_path, cfg.overwrite, is_megatron_checkpoint)
 
         def full(rule, read):
             return layout.merge(rule, [weights[h] if read else weights.meta(h) for h in rule.hf], config)
 
         _write_megatron(cfg.target_path, meta, full, cfg.overwrite, "hf_to_mm", beside=in_place)
-        _report("hf_to_mm", cfg.target_path, start)
+        megatron_io.report("hf_to_mm", cfg.target_path, start)
 
     def mm_to_hf(self, cfg: MmToHfConfig):
         """Convert a Megatron checkpoint (any TP/PP) into a diffusers transformer folder."""
         start = time.perf_counter(), time.process_time()
         _refuse_unsupported(cfg)
-        _refuse_in_place(cfg.source_path, cfg.target_path, "mm_to_hf writes a diffusers folder of its own, and "
-                         "the folder it replaces holds the shards being read")
+        megatron_io.refuse_in_place(cfg.source_path, cfg.target_path, "mm_to_hf writes a diffusers folder of its "
+                                    "own, and the folder it replaces holds the shards being read")
         prepare_target(cfg.source_path, cfg.target_path)
         original = _original_folder(cfg.hf_dir, cfg.max_shard_size) if cfg.hf_dir else None
         with contextlib.closing(_open_checkpoint(cfg.source_path, cfg.iteration, cfg.hf_dir, cfg.weights)) as ckpt:
             if original:
                 _check_same_architecture(ckpt, original.config, cfg.hf_dir)
-            _check_target(cfg.target_path, cfg.overwrite, lambda p: os.path.isfile(os.path.join(p, "config.json")))
+            megatron_io.check_target(cfg.target_path, cfg.overwrite, megatron_io.is_diffusers_folder)
             _write_diffusers(ckpt, cfg, original)
-        _report("mm_to_hf", cfg.target_path, start)
+        megatron_io.report("mm_to_hf", cfg.target_path, start)
 
     def resplit(self, cfg: ResplitConfig):
         """Rewrite a Megatron checkpoint with another TP/PP layout, without going through diffusers files."""
         start = time.perf_counter(), time.process_time()
         _refuse_unsupported(cfg)
-        _refuse_in_place(cfg.source_path, cfg.target_path, "the new layout would replace the folder holding the "
-                         "shards being read (and any other iterations in it)")
+        megatron_io.refuse_in_place(cfg.source_path, cfg.target_path, "the new layout would replace the folder "
+                                    "holding the shards being read (and any other iterations in it)")
         prepare_target(cfg.source_path, cfg.target_path)
         with contextlib.closing(_open_checkpoint(cfg.source_path, cfg.iteration, cfg.hf_dir)) as ckpt:
             dtypes = {ckpt.full_meta(r).dtype for r in layout.stage_rules(ckpt.config)}
             meta = _target_meta(ckpt.config, cfg.target_parallel_config, cfg.dtype, dtypes)
-            _check_target(cfg.target_path, cfg.overwrite, is_megatron_checkpoint)
+            megatron_io.check_target(cfg.target_path, cfg.overwrite, is_megatron_checkpoint)
 
             def full(rule, read):
                 return ckpt.full(rule) if read else ckpt.full_meta(rule)
 
             _write_megatron(cfg.target_path, meta, full, cfg.overwrite, "resplit")
-        _report("resplit", cfg.target_path, start)
+        megatron_io.report("resplit", cfg.target_path, start)
 
     def lora_mm_to_hf(self, cfg: flux_lora.LoraMmToHfConfig):
         """Write a LoRA training checkpoint's adapters as a diffusers FLUX LoRA (pytorch_lora_weights.safetensors)."""
         start = time.perf_counter(), time.process_time()
         flux_lora.lora_mm_to_hf(cfg)
-        _report("lora_mm_to_hf", cfg.target_path, start)
+        megatron_io.report("lora_mm_to_hf", cfg.target_path, start)
 
     def merge_lora_to_base(self, cfg: flux_lora.MergeLoraToBaseConfig):
         """Merge a LoRA training checkpoint into its base weights, in the base's sharded layout."""
         start = time.perf_counter(), time.process_time()
-        _refuse_in_place(cfg.source_path, cfg.target_path, "the merged weights would replace the base being read")
-        flux_lora.merge_lora_to_base(cfg, _write_megatron, _open_checkpoint, _check_target)
-        _report("merge_lora_to_base", cfg.target_path, start)
+        megatron_io.refuse_in_place(cfg.source_path, cfg.target_path,
+                                    "the merged weights would replace the base being read")
+        flux_lora.merge_lora_to_base(cfg, _write_megatron, _open_checkpoint, megatron_io.check_target)
+        megatron_io.report("merge_lora_to_base", cfg.target_path, start)
 
 
 def _refuse_unsupported(cfg):
@@ -278,24 +270,9 @@ def _open_checkpoint(path: str, iteration, hf_dir: Optional[str] = None, weights
     return ckpt
 
 
-@dataclasses.dataclass
-class OriginalFolder:
-    """What mm_to_hf keeps of `--cfg.hf_dir` (MindSpeed-MM copies its config.json and index)."""
-    config_json: dict
-    config: FluxConfig
-    weight_map: Optional[dict]  # tensor name -> file, from its index; None: no index
-
-
-def _original_folder(hf_dir: str, max_shard_size: Optional[str]) -> OriginalFolder:
+def _original_folder(hf_dir: str, max_shard_size: Optional[str]) -> megatron_io.OriginalFolder:
     folder = transformer_dir(hf_dir)
-    config = FluxConfig.from_diffusers_config(folder)
-    config_json = load_json(os.path.join(folder, "config.json"), "diffusers config.json")
-    index = os.path.join(folder, INDEX_FILE)
-    weight_map = load_json(index, "safetensors index").get("weight_map") if os.path.isfile(index) else None
-    if weight_map is not None and max_shard_size:
-        raise ValueError(f"--cfg.max_shard_size {max_shard_size} and --cfg.hf_dir {hf_dir}, whose index fixes the "
-                         "file split: give one")
-    return OriginalFolder(config_json, config, weight_map)
+    return megatron_io.original_folder(folder, hf_dir, FluxConfig.from_diffusers_config(folder), max_shard_size)
 
 
 def _architecture(config: FluxConfig) -> dict:
@@ -312,100 +289,15 @@ def _check_same_architecture(ckpt: MegatronCheckpoint, config: FluxConfig, hf_di
 
 # --- targets ---------------------------------------------------------------------------
 def _target_meta(config, parallel: TargetParallelConfig, dtype_name, source_dtypes) -> CheckpointMeta:
-    """The output's metadata; its dtype is the requested one, else the source's if it has only one."""
-    dtype = DTYPES[dtype_name] if dtype_name else (next(iter(source_dtypes)) if len(source_dtypes) == 1 else None)
-    return CheckpointMeta(config, parallel.tp_size, parallel.pp_layers,
-                          str(dtype).removeprefix("torch.") if dtype else None)
-
-
-def _same_path(source: str, target: str) -> bool:
-    return os.path.realpath(source) == os.path.realpath(target)
-
-
-def _refuse_in_place(source: str, target: str, why: str):
-    if _same_path(source, target):
-        raise ValueError(f"target_path {target} is the source: {why}; write to another folder")
-
-
-def _check_in_place(folder: str, overwrite: bool):
-    """hf_to_mm into its own source: the Megatron files go beside the diffusers ones."""
-    if not os.path.isdir(folder):
-        raise ValueError(f"target_path {folder} is the source file: give a folder to create")
-    held = [n for n in (TRACKER_FILE, RELEASE) if os.path.lexists(os.path.join(folder, n))]
-    if held and not overwrite:
-        raise FileExistsError(f"target {folder} already holds {' and '.join(held)}: remove them or pass "
-                              "--cfg.overwrite true")
-
-
-def _check_target(target: str, overwrite: bool, replaceable: Callable[[str], bool]):
-    if not os.path.lexists(target):
-        return
-    if not overwrite:
-        raise FileExistsError(f"target {target} already exists: remove it or pass --cfg.overwrite true")
-    if not (os.path.isdir(target) and (replaceable(target) or not os.listdir(target))):
-        raise FileExistsError(f"refusing to overwrite {target}: it is not an empty folder or a checkpoint "
-                              "of the kind being written")
-
-
-def _progress(total_bytes: int, desc: str):
-    return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=None)
-
-
-def _caster(dtype: Optional[torch.dtype]):
-    return (lambda t: t.to(dtype)) if dtype else (lambda t: t)
+    return megatron_io.target_meta(CheckpointMeta, config, parallel, dtype_name, source_dtypes)
 
 
 def _write_megatron(target: str, meta: CheckpointMeta, full, overwrite: bool, desc: str, beside: bool = False):
-    """Write every weight once. `full(rule, read)` gives a weight's whole Megatron tensor (a meta
-    tensor when not `read`); it is cut into the TP shards of its stage and each piece goes into
-    its shard file, all TP files of a pipeline stage being open together. `beside`: `target`
-    is an existing folder that keeps its other files (the tracker file moves in last)."""
-    config, tp_size = meta.config, meta.tp_size
-    cast = _caster(getattr(torch, meta.dtype) if meta.dtype else None)
-    stages = list(meta.stages())
-    metas = {(key, r.megatron): cast(full(r, False)) for spec, key in stages for r in meta.rules(spec)}
-    output = atomic_entries(target, overwrite, last=(TRACKER_FILE,)) if beside else atomic_dir(target, overwrite)
-    with output as tmp, _progress(sum(m.nbytes for m in metas.values()), desc) as bar:
-        writer = CheckpointWriter(tmp, meta)
-        for pp in range(meta.pp_size):
-            chunks = [(key, meta.rules(spec)) for spec, key in stages if spec.pp_rank == pp]
-            shards = [writer.open_shard(tp, pp, {key: {r.megatron: layout.shard(r, metas[key, r.megatron], tp,
-                                                                                   tp_size, config) for r in rules}
-                                                  for key, rules in chunks})
-                      for tp in range(tp_size)]
-            for key, rules in chunks:
-                for rule in rules:
-                    whole = cast(full(rule, True))
-                    for tp, shard in enumerate(shards):
-                        shard.write((key, rule.megatron), layout.shard(rule, whole, tp, tp_size, config))
-                    bar.update(whole.nbytes)
-            for shard in shards:
-                shard.close()
-        writer.commit()
+    """megatron_io.write_megatron with FLUX's cut (its packed single-block linears need the config)."""
+    megatron_io.write_megatron(target, meta, full, lambda r, t, tp, size: layout.shard(r, t, tp, size, meta.config),
+                               overwrite, desc, beside)
 
 
-def _write_diffusers(ckpt: MegatronCheckpoint, cfg: MmToHfConfig, original: Optional[OriginalFolder]):
-    config, cast = ckpt.config, _caster(DTYPES[cfg.dtype] if cfg.dtype else None)
-    rules = list(layout.stage_rules(config))
-    metas = {h: cast(t) for r in rules for h, t in zip(r.hf, layout.unmerge(r, ckpt.full_meta(r), config))}
-
-    def tensors():
-        with _progress(sum(m.nbytes for m in metas.values()), "mm_to_hf") as bar:
-            for rule in rules:
-                for name, tensor in zip(rule.hf, layout.unmerge(rule, ckpt.full(rule), config)):
-                    yield name, cast(tensor)
-                    bar.update(metas[name].nbytes)
-
-    if original:
-        hf_config, weight_map = original.config_json, original.weight_map
-    else:
-        hf_config = {"_class_name": "FluxTransformer2DModel", "_diffusers_version": diffusers.__version__,
-                     **config.to_diffusers_config()}
-        weight_map = None
-    with atomic_dir(cfg.target_path, cfg.overwrite) as tmp:
-        write_diffusers_folder(tmp, hf_config, metas, tensors(), cfg.max_shard_size or DEFAULT_SHARD_SIZE, weight_map)
-
-
-def _report(what: str, target: str, start):
-    wall, cpu = time.perf_counter() - start[0], time.process_time() - start[1]
-    print(f"{what}: wrote {target} in {wall:.2f} s (CPU {cpu:.2f} s)")
+def _write_diffusers(ckpt: MegatronCheckpoint, cfg: MmToHfConfig, original):
+    megatron_io.write_diffusers(ckpt, cfg, original, layout.stage_rules(ckpt.config),
+                                lambda r, t: layout.unmerge(r, t, ckpt.config), "FluxTransformer2DModel")
