@@ -1,5 +1,6 @@
 """FluxConverter's LoRA verbs: a LoRA training checkpoint (adapters only) to a diffusers FLUX LoRA
-file, and merged into its base weights (MindSpeed-MM's `merge_lora_to_base`).
+file, and merged into its base weights (MindSpeed-MM's `merge_lora_to_base`); what they do alike for
+every family is converters/lora_io.py's.
 
 Both read mm-grpo's LoRA checkpoints (`mm_grpo/families/flux/checkpoint/adapters.py`) and those of MindSpeed-MM's
 own LoRA (`--lora-target-modules` in its `pretrain`: peft's adapter names, the LoRA settings and
@@ -14,23 +15,20 @@ import dataclasses
 import os
 from typing import Optional
 
-from safetensors.torch import save_file
-
-from mm_grpo.checkpoint.paths import SHARD_FILE, iteration_dir, shard_folders
+from converters import lora_io
+from converters.lora_io import PEFT_ADAPTER_SUFFIX, Adapters
+from mm_grpo.checkpoint import is_megatron_checkpoint
+from mm_grpo.checkpoint.paths import SHARD_FILE
 from mm_grpo.checkpoint.shard_io import ShardReader
 from mm_grpo.families.flux.checkpoint.adapters import LORA_KEY, AdapterCheckpoint
 from mm_grpo.families.flux.predictor_block import flux_config_from_block
 from mm_grpo.families.flux.transformer import layout
 from mm_grpo.families.flux.transformer import lora as flux_lora
-from mm_grpo.families.flux.transformer.config import FluxConfig
-from mm_grpo.families.flux.transformer.lora_hf import LORA_FILE, to_diffusers
-from mm_grpo.files.atomic import atomic_dir
-
-PEFT_ADAPTER_SUFFIX = ".default.weight"  # peft's name of an adapter's weight (its default adapter)
+from mm_grpo.families.flux.transformer.lora_hf import to_diffusers
 
 
 @dataclasses.dataclass
-class LoraMmToHfConfig:
+class LoraMmToHfConfig(lora_io.LoraMmToHfConfig):
     """Options of `lora_mm_to_hf`.
 
     Args:
@@ -41,11 +39,6 @@ class LoraMmToHfConfig:
         iteration: Iteration to convert; default: the one latest_checkpointed_iteration.txt names.
         overwrite: Replace target_path if it exists.
     """
-
-    source_path: str
-    target_path: str
-    iteration: Optional[int] = None
-    overwrite: bool = False
 
 
 @dataclasses.dataclass
@@ -71,43 +64,12 @@ class MergeLoraToBaseConfig:
 
 def refuse_adapter_checkpoint(ckpt):
     """A LoRA training checkpoint where whole weights are expected: one line naming the LoRA verbs."""
-    if LORA_KEY in ckpt.shard(0, 0).tree:
-        raise ValueError(f"{ckpt.path} is a LoRA training checkpoint (adapters only): convert it with lora_mm_to_hf, "
-                         "or merge it into its base with merge_lora_to_base")
-
-
-@dataclasses.dataclass
-class Adapters:
-    """A LoRA checkpoint's adapters, whole: {base weight's first diffusers name: (A, B)}."""
-    flux_config: FluxConfig
-    config: flux_lora.LoRAConfig
-    whole: dict
-
-
-def read_adapters(path: str, iteration: Optional[int]) -> Adapters:
-    """The adapters of an mm-grpo or a MindSpeed-MM LoRA checkpoint."""
-    folder = iteration_dir(path, iteration)
-    found = shard_folders(folder)
-    if (0, 0) in found:
-        first = ShardReader(os.path.join(folder, found[(0, 0)], SHARD_FILE))
-        try:
-            if is_mindspeed_mm_lora(first.tree):
-                return mindspeed_mm_adapters(folder, found, first)
-        finally:
-            first.close()
-    with contextlib.closing(AdapterCheckpoint(folder)) as source:
-        whole = {}
-        for base in flux_lora.base_rules(source.flux_config, source.config.targets):
-            rule_a, rule_b = flux_lora.adapter_rules(base)
-            whole[base.hf[0]] = source.full(rule_a), source.full(rule_b)
-        return Adapters(source.flux_config, source.config, whole)
+    lora_io.refuse_adapter_checkpoint(ckpt, LORA_KEY)
 
 
 def is_mindspeed_mm_lora(tree) -> bool:
     """A shard of MindSpeed-MM's LoRA: no mm-grpo `lora` entry, peft-named adapters."""
-    model = tree.get("model")
-    return (LORA_KEY not in tree and isinstance(model, dict)
-            and any(k.endswith(PEFT_ADAPTER_SUFFIX) for k in model))
+    return lora_io.is_mindspeed_mm_lora(tree, LORA_KEY)
 
 
 def mindspeed_mm_adapters(folder: str, found: dict, first: ShardReader) -> Adapters:
@@ -150,35 +112,32 @@ def mindspeed_mm_adapters(folder: str, found: dict, first: ShardReader) -> Adapt
     return Adapters(flux_config, config, whole)
 
 
+def _other_format(folder: str, found: dict, first: ShardReader) -> Optional[Adapters]:
+    return mindspeed_mm_adapters(folder, found, first) if is_mindspeed_mm_lora(first.tree) else None
+
+
+FAMILY = lora_io.LoraFamily(name="FLUX", lora=flux_lora, adapter_checkpoint=AdapterCheckpoint, lora_key=LORA_KEY,
+                            to_diffusers=to_diffusers, other_format=_other_format)
+
+
+def read_adapters(path: str, iteration: Optional[int]) -> Adapters:
+    """The adapters of an mm-grpo or a MindSpeed-MM LoRA checkpoint."""
+    return lora_io.read_adapters(FAMILY, path, iteration)
+
+
 def lora_mm_to_hf(cfg: LoraMmToHfConfig):
-    adapters = read_adapters(cfg.source_path, cfg.iteration)
-    tensors = to_diffusers(adapters.whole, adapters.flux_config, adapters.config)
-    with atomic_dir(cfg.target_path, cfg.overwrite) as tmp:
-        save_file(tensors, os.path.join(tmp, LORA_FILE), metadata={"format": "pt"})
+    lora_io.lora_mm_to_hf(FAMILY, cfg)
 
 
 def merge_lora_to_base(cfg: MergeLoraToBaseConfig, write_megatron, open_checkpoint, check_target):
     """`write_megatron`, `open_checkpoint`, `check_target`: converters/flux.py's writers and checks."""
-    from mm_grpo.checkpoint import is_megatron_checkpoint
     if not is_megatron_checkpoint(cfg.source_path):
         raise ValueError(f"--cfg.source_path {cfg.source_path} is not a Megatron checkpoint: convert the base with "
                          "hf_to_mm first")
-    adapters = read_adapters(cfg.lora_path, cfg.iteration)
-    with contextlib.closing(open_checkpoint(cfg.source_path, None)) as base_ckpt:
-        if base_ckpt.config.to_diffusers_config() != adapters.flux_config.to_diffusers_config():
-            raise ValueError(f"{cfg.lora_path} adapts another FLUX architecture than {cfg.source_path}")
-        check_target(cfg.target_path, cfg.overwrite, is_megatron_checkpoint)
-        by_weight = {base.hf: adapters.whole[base.hf[0]]
-                     for base in flux_lora.base_rules(adapters.flux_config, adapters.config.targets)}
-        scaling = adapters.config.scaling
 
-        def full(rule, read):
-            if not read:
-                return base_ckpt.full_meta(rule)
-            weight = base_ckpt.full(rule)
-            if rule.hf not in by_weight:
-                return weight
-            a, b = by_weight[rule.hf]
-            return (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype)
+    @contextlib.contextmanager
+    def open_base():
+        with contextlib.closing(open_checkpoint(cfg.source_path, None)) as base_ckpt:
+            yield base_ckpt.config, base_ckpt.meta, lora_io.checkpoint_full(base_ckpt)
 
-        write_megatron(cfg.target_path, base_ckpt.meta, full, cfg.overwrite, "merge_lora_to_base")
+    lora_io.merge_lora_to_base(FAMILY, cfg, cfg.source_path, open_base, write_megatron, check_target)

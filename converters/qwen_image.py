@@ -11,7 +11,20 @@ hf_to_mm into its own source folder adds the Megatron files beside the diffusers
 tracker file last.
 
 The options are FluxConverter's (converters/flux.py) where they mean something for Qwen-Image, with the
-same semantics; QwenImageConverter is a MindSpeed-MM `Converter` when MindSpeed-MM is importable
+same semantics; what these verbs cannot do (MindSpeed-MM's --cfg.lora_path, expert parallelism) is refused.
+LoRA training checkpoints of mm-grpo's trainer (--lora-target-modules; adapters only, any TP/PP:
+mm_grpo/families/qwen_image/checkpoint/adapters.py) have verbs of their own, FluxConverter's, on the shared
+converters/lora_io.py:
+
+    mm-convert QwenImageConverter lora_mm_to_hf --cfg.source_path SAVE_DIR --cfg.target_path DIR
+    mm-convert QwenImageConverter merge_lora_to_base --cfg.lora_path SAVE_DIR --cfg.target_path DIR \\
+        [--cfg.source_path BASE] [--cfg.target_parallel_config.tp_size 2 ...]
+
+lora_mm_to_hf writes the adapters as the diffusers LoRA file QwenImagePipeline.load_lora_weights reads
+(`mm_grpo.families.qwen_image.transformer.lora_hf`); merge_lora_to_base adds them to the base weights (a
+Megatron checkpoint, or a diffusers folder; by default the base the run recorded) and writes a whole
+Megatron checkpoint, hf_to_mm's layout, at the target TP/PP. MindSpeed-MM's own LoRA checkpoints (peft
+adapters) are refused. QwenImageConverter is a MindSpeed-MM `Converter` when MindSpeed-MM is importable
 (converters/mindspeed_mm.py).
 """
 import contextlib
@@ -20,13 +33,14 @@ import os
 import time
 from typing import List, Literal, Optional, Union
 
-from converters import megatron_io
+from converters import lora_io, megatron_io
 from converters.mindspeed_mm import Converter
 from converters.target_guard import prepare_target
 from mm_grpo.checkpoint import is_megatron_checkpoint
-from mm_grpo.families.qwen_image.checkpoint import CheckpointMeta, MegatronCheckpoint
+from mm_grpo.checkpoint.paths import iteration_dir
+from mm_grpo.families.qwen_image.checkpoint import CheckpointMeta, MegatronCheckpoint, adapters
 from mm_grpo.families.qwen_image.checkpoint.metadata import check_same_architecture
-from mm_grpo.families.qwen_image.transformer import layout
+from mm_grpo.families.qwen_image.transformer import layout, lora, lora_hf
 from mm_grpo.families.qwen_image.transformer.config import PRESETS, QwenImageConfig
 from mm_grpo.families.qwen_image.transformer.hf_weights import check_hf_weights, open_diffusers_weights
 from mm_grpo.files.safetensors_weights import transformer_dir
@@ -70,7 +84,8 @@ class HfToMmConfig:
         preset: Built-in model config instead of a config.json: qwen-image (tiny: tests).
         dtype: Cast the weights to bf16, fp16 or fp32; default: keep the source dtype.
         overwrite: Replace target_path if it already holds a Megatron checkpoint.
-        lora_path: MindSpeed-MM's LoRA weights option; QwenImageConverter converts whole weights only: leave empty.
+        lora_path: MindSpeed-MM's LoRA weights option; these verbs convert whole weights only: leave empty
+            (LoRA training checkpoints: lora_mm_to_hf, merge_lora_to_base).
     """
 
     source_path: str
@@ -101,7 +116,8 @@ class MmToHfConfig:
             default 10GB, or hf_dir's file split.
         dtype: Cast the weights to bf16, fp16 or fp32; default: keep the source dtype.
         overwrite: Replace target_path if it already holds a diffusers folder.
-        lora_path: MindSpeed-MM's LoRA weights option; QwenImageConverter converts whole weights only: leave empty.
+        lora_path: MindSpeed-MM's LoRA weights option; these verbs convert whole weights only: leave empty
+            (LoRA training checkpoints: lora_mm_to_hf, merge_lora_to_base).
         weights: Which weights of a training checkpoint to export: policy (the trained model) or ema
             (its exponential moving average, saved with --ema-decay).
     """
@@ -129,7 +145,8 @@ class ResplitConfig:
         iteration: Iteration to read; default: the one latest_checkpointed_iteration.txt names.
         dtype: Cast the weights to bf16, fp16 or fp32; default: keep the source dtype.
         overwrite: Replace target_path if it already holds a Megatron checkpoint.
-        lora_path: MindSpeed-MM's LoRA weights option; QwenImageConverter converts whole weights only: leave empty.
+        lora_path: MindSpeed-MM's LoRA weights option; these verbs convert whole weights only: leave empty
+            (LoRA training checkpoints: lora_mm_to_hf, merge_lora_to_base).
     """
 
     source_path: str
@@ -141,6 +158,46 @@ class ResplitConfig:
     lora_path: str = ""
 
 
+@dataclasses.dataclass
+class LoraMmToHfConfig(lora_io.LoraMmToHfConfig):
+    """Options of `lora_mm_to_hf`.
+
+    Args:
+        source_path: A LoRA training checkpoint of mm-grpo's trainer (--save of a run with
+            --lora-target-modules; any TP/PP), or one iteration folder of it.
+        target_path: Folder to create with pytorch_lora_weights.safetensors, which
+            QwenImagePipeline.load_lora_weights(target_path) loads.
+        iteration: Iteration to convert; default: the one latest_checkpointed_iteration.txt names.
+        overwrite: Replace target_path if it holds a diffusers LoRA file (or is empty).
+    """
+
+
+@dataclasses.dataclass
+class MergeLoraToBaseConfig:
+    """Options of `merge_lora_to_base` (MindSpeed-MM's verb and option names).
+
+    Args:
+        lora_path: A LoRA training checkpoint of mm-grpo's trainer (as for lora_mm_to_hf) trained on
+            the base, or one iteration folder of it.
+        target_path: Megatron checkpoint folder to create (hf_to_mm's layout): W + (alpha / r) B A for
+            every adapted linear, in the base's dtype (computed in fp32).
+        source_path: The base weights: a Megatron checkpoint (hf_to_mm's output; any TP/PP) or a diffusers
+            Qwen-Image transformer or pipeline folder. Default: the base the LoRA run recorded (its
+            predictor.from_pretrained or --load), if it is still there.
+        target_parallel_config: Parallel layout of the output; default: a Megatron base's own layout,
+            one stage at TP 1 for a diffusers base.
+        iteration: Iteration of lora_path; default: its latest.
+        overwrite: Replace target_path if it already holds a Megatron checkpoint.
+    """
+
+    lora_path: str
+    target_path: str
+    source_path: Optional[str] = None
+    target_parallel_config: Optional[TargetParallelConfig] = None
+    iteration: Optional[int] = None
+    overwrite: bool = False
+
+
 class QwenImageConverter(Converter):
     """Qwen-Image transformer weights: diffusers <-> Megatron TP/PP shards."""
 
@@ -149,7 +206,7 @@ class QwenImageConverter(Converter):
         start = time.perf_counter(), time.process_time()
         _refuse_unsupported(cfg)
         weights, config = open_hf_source(cfg.source_path, cfg.hf_dir, cfg.preset)
-        meta = _target_meta(config, cfg.target_parallel_config, cfg.dtype, {weights.meta(h).dtype for h in weights})
+        meta = _target_meta(config, cfg.target_parallel_config, cfg.dtype, _hf_dtypes(weights))
         prepare_target(cfg.source_path, cfg.target_path, in_place_ok=True)
         in_place = megatron_io.same_path(cfg.source_path, cfg.target_path)
         if in_place:
@@ -157,10 +214,7 @@ class QwenImageConverter(Converter):
         else:
             megatron_io.check_target(cfg.target_path, cfg.overwrite, is_megatron_checkpoint)
 
-        def full(rule, read):
-            return layout.merge(rule, [weights[h] if read else weights.meta(h) for h in rule.hf], config)
-
-        _write_megatron(cfg.target_path, meta, full, cfg.overwrite, "hf_to_mm", beside=in_place)
+        _write_megatron(cfg.target_path, meta, _hf_full(weights, config), cfg.overwrite, "hf_to_mm", beside=in_place)
         megatron_io.report("hf_to_mm", cfg.target_path, start)
 
     def mm_to_hf(self, cfg: MmToHfConfig):
@@ -186,24 +240,46 @@ class QwenImageConverter(Converter):
                                     "holding the shards being read (and any other iterations in it)")
         prepare_target(cfg.source_path, cfg.target_path)
         with contextlib.closing(_open_checkpoint(cfg.source_path, cfg.iteration)) as ckpt:
-            dtypes = {ckpt.full_meta(r).dtype for r in layout.stage_rules(ckpt.config)}
-            meta = _target_meta(ckpt.config, cfg.target_parallel_config, cfg.dtype, dtypes)
+            meta = _target_meta(ckpt.config, cfg.target_parallel_config, cfg.dtype, _dtypes(ckpt))
             megatron_io.check_target(cfg.target_path, cfg.overwrite, is_megatron_checkpoint)
-
-            def full(rule, read):
-                return ckpt.full(rule) if read else ckpt.full_meta(rule)
-
-            _write_megatron(cfg.target_path, meta, full, cfg.overwrite, "resplit")
+            _write_megatron(cfg.target_path, meta, lora_io.checkpoint_full(ckpt), cfg.overwrite, "resplit")
         megatron_io.report("resplit", cfg.target_path, start)
+
+    def lora_mm_to_hf(self, cfg: LoraMmToHfConfig):
+        """Write a LoRA training checkpoint's adapters as a diffusers Qwen-Image LoRA file
+        (pytorch_lora_weights.safetensors)."""
+        start = time.perf_counter(), time.process_time()
+        prepare_target(cfg.source_path, cfg.target_path)
+        megatron_io.check_target(cfg.target_path, cfg.overwrite, lora_io.is_lora_folder)
+        lora_io.lora_mm_to_hf(LORA, cfg)
+        megatron_io.report("lora_mm_to_hf", cfg.target_path, start)
+
+    def merge_lora_to_base(self, cfg: MergeLoraToBaseConfig):
+        """Merge a LoRA training checkpoint into its base weights: a whole Megatron checkpoint at the target layout."""
+        start = time.perf_counter(), time.process_time()
+        if cfg.target_parallel_config is not None:
+            _refuse_experts(cfg.target_parallel_config)
+        source = _lora_base(cfg)
+        megatron_io.refuse_in_place(source, cfg.target_path, "the merged weights would replace the base being read")
+        prepare_target(source, cfg.target_path)
+        prepare_target(cfg.lora_path, cfg.target_path)
+        lora_io.merge_lora_to_base(LORA, cfg, source, lambda: _open_base(source, cfg.target_parallel_config),
+                                   _write_megatron, megatron_io.check_target)
+        megatron_io.report("merge_lora_to_base", cfg.target_path, start)
 
 
 def _refuse_unsupported(cfg):
     """MindSpeed-MM's ConvertConfig options that mean nothing for Qwen-Image, refused before any work."""
     if cfg.lora_path:
-        raise ValueError(f"--cfg.lora_path {cfg.lora_path}: QwenImageConverter converts whole Qwen-Image "
-                         "weights; LoRA weights are not supported")
+        raise ValueError(f"--cfg.lora_path {cfg.lora_path}: QwenImageConverter converts whole Qwen-Image weights; "
+                         "LoRA weights are not supported (LoRA checkpoints: lora_mm_to_hf, merge_lora_to_base)")
     parallel = getattr(cfg, "target_parallel_config", None)
-    if parallel is not None and parallel.ep_size != 1:
+    if parallel is not None:
+        _refuse_experts(parallel)
+
+
+def _refuse_experts(parallel: TargetParallelConfig):
+    if parallel.ep_size != 1:
         raise ValueError(f"--cfg.target_parallel_config.ep_size {parallel.ep_size}: Qwen-Image has no experts "
                          "to split (only 1)")
 
@@ -235,11 +311,25 @@ def _open_checkpoint(path: str, iteration, weights: str = "policy") -> MegatronC
     """The checkpoint (its policy, or its EMA), every shard checked against its layout."""
     ckpt = MegatronCheckpoint(path, iteration, weights=weights)
     try:
+        lora_io.refuse_adapter_checkpoint(ckpt, adapters.LORA_KEY)
         ckpt.check()
     except BaseException:
         ckpt.close()
         raise
     return ckpt
+
+
+def _hf_full(weights, config: QwenImageConfig):
+    """Lazy diffusers weights as the writers take them: full(rule, read), merged into Megatron tensors."""
+    return lambda rule, read: layout.merge(rule, [weights[h] if read else weights.meta(h) for h in rule.hf], config)
+
+
+def _hf_dtypes(weights) -> set:
+    return {weights.meta(h).dtype for h in weights}
+
+
+def _dtypes(ckpt: MegatronCheckpoint) -> set:
+    return {ckpt.full_meta(r).dtype for r in layout.stage_rules(ckpt.config)}
 
 
 def _original_folder(hf_dir: str, max_shard_size: Optional[str]) -> megatron_io.OriginalFolder:
@@ -259,3 +349,47 @@ def _write_megatron(target: str, meta: CheckpointMeta, full, overwrite: bool, de
 def _write_diffusers(ckpt: MegatronCheckpoint, cfg: MmToHfConfig, original):
     megatron_io.write_diffusers(ckpt, cfg, original, layout.stage_rules(ckpt.config),
                                 lambda r, t: layout.unmerge(r, t, ckpt.config), DIFFUSERS_CLASS)
+
+
+# --- LoRA checkpoints --------------------------------------------------------------------------
+def _refuse_mindspeed_mm_lora(folder: str, found: dict, first) -> None:
+    """MindSpeed-MM's own LoRA on Qwen-Image (peft adapters): its adapters' layout is not verified."""
+    if lora_io.is_mindspeed_mm_lora(first.tree, adapters.LORA_KEY):
+        raise ValueError(f"{folder} is a checkpoint of MindSpeed-MM's own LoRA (peft adapters): QwenImageConverter "
+                         "converts the LoRA checkpoints of mm-grpo's trainer only")
+
+
+LORA = lora_io.LoraFamily(name=FAMILY, lora=lora, adapter_checkpoint=adapters.AdapterCheckpoint,
+                          lora_key=adapters.LORA_KEY, to_diffusers=lora_hf.to_diffusers,
+                          other_format=_refuse_mindspeed_mm_lora)
+
+
+def _lora_base(cfg: MergeLoraToBaseConfig) -> str:
+    """--cfg.source_path, else the base weights the LoRA run recorded."""
+    if cfg.source_path:
+        return cfg.source_path
+    folder = iteration_dir(cfg.lora_path, cfg.iteration)
+    entry = adapters.lora_entry(folder)
+    if entry is None:
+        raise ValueError(f"{folder} is not a LoRA checkpoint (no '{adapters.LORA_KEY}' entry): its base weights "
+                         "are not recorded")
+    base = adapters.checkpoint_base(folder)
+    if base is None:
+        raise ValueError(f"{folder} records no base weights that still exist (recorded: {entry.get('base')}): "
+                         "give --cfg.source_path")
+    return base
+
+
+@contextlib.contextmanager
+def _open_base(path: str, parallel: Optional[TargetParallelConfig]):
+    """merge_lora_to_base's base as (config, the target's CheckpointMeta, full(rule, read)): a Megatron
+    checkpoint (written at its own layout unless `parallel`) or a diffusers folder (one stage, TP 1 unless
+    `parallel`); the dtype is the base's."""
+    if is_megatron_checkpoint(path):
+        with contextlib.closing(_open_checkpoint(path, None)) as ckpt:
+            meta = ckpt.meta if parallel is None else _target_meta(ckpt.config, parallel, None, _dtypes(ckpt))
+            yield ckpt.config, meta, lora_io.checkpoint_full(ckpt)
+    else:
+        weights, config = open_hf_source(path)
+        meta = _target_meta(config, parallel or TargetParallelConfig(), None, _hf_dtypes(weights))
+        yield config, meta, _hf_full(weights, config)

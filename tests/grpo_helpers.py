@@ -77,8 +77,9 @@ def run_grpo(argv):
     return run.train(), run
 
 
-def write_flow_configs(folder, pipeline_dir, num_images=8, reward=None):
-    """A shapes dataset and model.json / data.json for the tiny pipeline; returns (model, data) paths."""
+def write_flow_configs(folder, pipeline_dir, num_images=8, reward=None, model_id="flux"):
+    """A shapes dataset and model.json / data.json for a tiny pipeline of the family `model_id` names;
+    returns (model, data) paths."""
     from mm_grpo.data.shapes import generate_dataset
     os.makedirs(folder, exist_ok=True)
     data_dir = os.path.join(folder, "data")
@@ -86,7 +87,7 @@ def write_flow_configs(folder, pipeline_dir, num_images=8, reward=None):
         generate_dataset(data_dir, num_images, seed=4)
     model = {"ae": {"from_pretrained": str(pipeline_dir)},
              "text_encoder": {"from_pretrained": str(pipeline_dir), "max_sequence_length": 32},
-             "predictor": {"model_id": "flux", "from_pretrained": os.path.join(str(pipeline_dir), "transformer")},
+             "predictor": {"model_id": model_id, "from_pretrained": os.path.join(str(pipeline_dir), "transformer")},
              "image_size": [64, 64]}
     if reward:
         model["reward"] = reward

@@ -32,8 +32,9 @@ def _shipped(pattern):
     return sorted(glob.glob(os.path.join(EXAMPLES, pattern), recursive=True))
 
 
-PIPELINE_FOLDER = os.path.join(EXAMPLES, "flux", "tiny_shapes")  # the shipped pipeline: diffusers' own JSON files
-CONFIGS = [p for p in _shipped("**/*.json") if not p.startswith(PIPELINE_FOLDER + os.sep)]
+# the shipped pipelines: diffusers' own JSON files
+PIPELINE_FOLDERS = tuple(os.path.join(EXAMPLES, family, "tiny_shapes") + os.sep for family in ("flux", "qwen_image"))
+CONFIGS = [p for p in _shipped("**/*.json") if not p.startswith(PIPELINE_FOLDERS)]
 # Which reader each shipped config is for: mm-grpo's trainers (both entries of GRPO, flow matching),
 # the reward server (a list of reward entries), or MindSpeed-MM's own pretrain (its sora pretrain
 # configs: mm-grpo reads their flux predictor block only, mm_grpo/mindspeed_mm/run.py).
@@ -79,7 +80,7 @@ def test_every_variable_of_the_shipped_configs_is_set_here():
 def test_every_shipped_config_has_a_reader():
     classified = MODEL_CONFIGS + GRPO_DATA_CONFIGS + FLOW_DATA_CONFIGS + REWARD_LISTS + MINDSPEED_MM_CONFIGS
     assert sorted(classified) == CONFIGS
-    assert len(MODEL_CONFIGS) >= 9 and len(GRPO_DATA_CONFIGS) >= 5 and len(FLOW_DATA_CONFIGS) == 2
+    assert len(MODEL_CONFIGS) >= 9 and len(GRPO_DATA_CONFIGS) >= 5 and len(FLOW_DATA_CONFIGS) == 3
 
 
 @pytest.mark.parametrize("path", MODEL_CONFIGS, ids=lambda p: os.path.relpath(p, EXAMPLES))

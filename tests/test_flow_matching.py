@@ -157,5 +157,5 @@ def test_configuration_errors(parallel_1proc, configs, tmp_path):
     with pytest.raises(ValueError, match="global batch size 4 must be divisible by data-parallel size 1 x "
                                          "micro-batch size 3"):
         _error(flow_argv(model, data, extra=["--micro-batch-size", "3"]))
-    with pytest.raises(ValueError, match="image size 40 must be a multiple of 16"):
+    with pytest.raises(ValueError, match="image size 40x40 must be positive multiples of 16"):
         _error(flow_argv(model, data, extra=["--height", "40"]))

@@ -4,6 +4,7 @@ rollout (its sampler, QwenImageDenoiser's true CFG, the Megatron transformer wit
 samples the pipeline's own latents and images from the same noise."""
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -282,3 +283,18 @@ def test_mm_grpo_ode_rollout_samples_the_pipelines_images(parallel_1proc, folder
         unguided = rollout(QwenImageDenoiser(HEIGHT, WIDTH, config.in_channels).velocity_fn([model], cond, 2), noise,
                            sigmas, "ode")
     assert rel_err(flux_sigmas.latents[:, -1], latents) > 0.05 and rel_err(unguided.latents[:, -1], latents) > 0.05
+
+
+def test_the_shipped_tiny_shapes_model_loads_and_samples_in_this_environment():
+    """examples/qwen_image/tiny_shapes, written with transformers 5, is read by this environment's
+    transformers (MindSpeed-MM's 4.57 reads the text encoder's `rope_scaling`) and diffusers' pipeline."""
+    from diffusers import QwenImagePipeline
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "qwen_image",
+                          "tiny_shapes")
+    embeds, mask = QwenImageTextEncoder(folder).encode(["a red circle", "two blue squares on a white background"])
+    assert embeds.shape == (2, 12, 32) and mask.sum(1).tolist() == [8, 12]
+    assert embeds[0, 0, :3].tolist() == pytest.approx([-2.4328, -1.4211, -0.9599], abs=1e-4)  # either transformers
+    pipe = QwenImagePipeline.from_pretrained(folder, torch_dtype=torch.float32)
+    images = pipe(["a red circle"], height=64, width=64, num_inference_steps=2, true_cfg_scale=1.0,
+                  output_type="pt", generator=torch.Generator().manual_seed(0)).images
+    assert images.shape == (1, 3, 64, 64) and torch.isfinite(images).all()

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # GRPO fine-tuning of Qwen-Image with mm-grpo's trainer (Flow-GRPO / DanceGRPO on Megatron, true CFG).
 #
-#   bash examples/qwen_image/grpo_qwen_image.sh     # no accelerator: a short run of a tiny random Qwen-Image
-#                                                   # on 2 CPU processes (it shows the run works, not learning)
+#   bash examples/qwen_image/grpo_qwen_image.sh     # no accelerator: the tiny CPU demo, 2 processes (GRPO of
+#                                                   # the shipped tiny shapes Qwen-Image, docs/qwen_image.md)
 #   PIPELINE_DIR=/models/Qwen-Image HPS_PATH=/models/HPS_v2.1_compressed.pt PROMPT_FILE=prompts.txt \
 #   NPUS_PER_NODE=8 TP=4 bash examples/qwen_image/grpo_qwen_image.sh [extra trainer args]
 #
 # Settings (environment variables; anything after the script's name goes to the trainer):
 #   PIPELINE_DIR   diffusers Qwen-Image pipeline folder (transformer/, vae/, text_encoder/, tokenizer/, scheduler/)
-#   MODEL_JSON DATA_JSON  model.json / data.json (default: this folder's; model_tiny.json for the CPU run);
+#   MODEL_JSON DATA_JSON  model.json / data.json (default: this folder's; model_shapes_demo.json for the CPU demo);
 #                  PROMPT_FILE / EVAL_PROMPT_FILE fill data.json in
 #   LOAD           a converted checkpoint (mm-convert QwenImageConverter hf_to_mm) to start from, or a
 #                  training checkpoint to resume; SAVE where to save (default: RUN_DIR/ckpt)
@@ -17,7 +17,8 @@
 #   PROMPTS MBS G STEPS ITERS LR SEED  prompts per iteration, micro-batch, generations per prompt, denoising
 #                  steps, iterations, learning rate, seed
 #   TRUE_CFG NEGATIVE_PROMPT  true CFG scale (QwenImagePipeline's 4; 1: none) and its negative prompt (" ")
-#   SAMPLER POLICY_LOSS TIMESTEP_FRACTION CLIP KL_BETA  as in examples/flux/grpo_flux.sh
+#   SAMPLER POLICY_LOSS TIMESTEP_FRACTION CLIP KL_BETA SAME_NOISE EMA_DECAY EMA_DECAY_RAMP  as in
+#                  examples/flux/grpo_flux.sh; EVAL_SAMPLES EVAL_SEED: the CPU demo's fixed noises (64, seed 1)
 #   LORA_R         LoRA rank on the recommended targets (default 64 on an accelerator; 0: full fine-tuning)
 #   SAVE_INTERVAL LOG_INTERVAL EVAL_INTERVAL EVAL_PROMPTS IMAGE_INTERVAL   as in grpo_flux.sh
 #   EXIT_SIGNAL_HANDLER  1 (default): SIGTERM or Ctrl-C saves the iteration in progress, then ends the job
@@ -33,19 +34,27 @@ RUN_DIR="${RUN_DIR:-$REPO/runs/grpo_qwen_image_$(date +%Y%m%d_%H%M%S)}"
 mkdir -p "$RUN_DIR"
 if [ -z "${PIPELINE_DIR:-}" ]; then
   if [ "$DEVICE" != "cpu" ]; then
-    echo "grpo_qwen_image.sh: set PIPELINE_DIR to a Qwen-Image pipeline folder, or run the tiny CPU run with MM_GRPO_DEVICE=cpu" >&2; exit 2
+    echo "grpo_qwen_image.sh: set PIPELINE_DIR to a Qwen-Image pipeline folder, or run the tiny CPU demo with MM_GRPO_DEVICE=cpu" >&2; exit 2
   fi
-  # The tiny CPU run: a random tiny Qwen-Image pipeline (mm_grpo/families/qwen_image/tiny.py), JPEG
-  # compressibility, true CFG, LoRA, 2 processes (data parallel).
-  export PIPELINE_DIR="$RUN_DIR/tiny_qwen_image"
-  [ -d "$PIPELINE_DIR" ] || "$PY" -m mm_grpo.families.qwen_image.tiny --out "$PIPELINE_DIR" > /dev/null
-  MODEL_JSON="${MODEL_JSON:-$SCRIPT_DIR/model_tiny.json}"
+  # The CPU demo (docs/qwen_image.md "The CPU demo"): the tiny shapes Qwen-Image shipped in
+  # examples/qwen_image/tiny_shapes (pretrained by build_tiny_shapes.sh on FLUX's demo data), with FLUX's
+  # demo settings: DiffusionNFT on ODE rollouts rewarded by full-prompt accuracy plus the objects' F1, on
+  # single objects and counts, evaluated on the reporting half of the held-out prompts x 64 fixed noises
+  # (seed 1: never used while choosing settings); full fine-tuning, no true CFG (the tiny model never saw
+  # an empty caption, so its unconditional velocity means nothing).
+  export PIPELINE_DIR="$SCRIPT_DIR/tiny_shapes"
   SHAPES="$REPO/examples/flux/shapes_prompts"  # the shapes grammar's prompt split (mm_grpo/data/shapes.py)
-  export PROMPT_FILE="${PROMPT_FILE:-$SHAPES/grpo.txt}" EVAL_PROMPT_FILE="${EVAL_PROMPT_FILE-$SHAPES/eval.txt}"
-  NPUS_PER_NODE="${NPUS_PER_NODE:-2}"; ITERS="${ITERS:-4}"; PROMPTS="${PROMPTS:-2}"; MBS="${MBS:-2}"; G="${G:-4}"
-  STEPS="${STEPS:-6}"; LR="${LR:-1e-3}"; LORA_R="${LORA_R:-4}"; EVAL_INTERVAL="${EVAL_INTERVAL:-$ITERS}"
-  EVAL_PROMPTS="${EVAL_PROMPTS:-4}"; IMAGE_INTERVAL="${IMAGE_INTERVAL:-$ITERS}"; SAVE_INTERVAL="${SAVE_INTERVAL:-$ITERS}"
-  LOG_INTERVAL="${LOG_INTERVAL:-1}"
+  MODEL_JSON="${MODEL_JSON:-$SCRIPT_DIR/model_shapes_demo.json}"
+  DATA_JSON="${DATA_JSON:-$REPO/examples/flux/data_shapes_demo.json}"
+  export PROMPT_FILE="${PROMPT_FILE:-$SHAPES/grpo_objects.txt}"
+  export EVAL_PROMPT_FILE="${EVAL_PROMPT_FILE:-$SHAPES/eval_objects_report.txt}"
+  export EVAL_SAMPLES="${EVAL_SAMPLES:-64}" EVAL_SEED="${EVAL_SEED:-1}"  # data_shapes_demo.json reads them
+  NPUS_PER_NODE="${NPUS_PER_NODE:-2}"; ITERS="${ITERS:-110}"; PROMPTS="${PROMPTS:-8}"; MBS="${MBS:-32}"
+  SEED="${SEED:-1}"; G="${G:-16}"; LR="${LR:-2e-4}"; LORA_R="${LORA_R:-0}"; TRUE_CFG="${TRUE_CFG:-1}"
+  SAMPLER="${SAMPLER:-ode}"; POLICY_LOSS="${POLICY_LOSS:-nft}"; TIMESTEP_FRACTION="${TIMESTEP_FRACTION:-0.25}"
+  KL_BETA="${KL_BETA:-0.5}"; EMA_DECAY="${EMA_DECAY-0.5}"; EMA_DECAY_RAMP="${EMA_DECAY_RAMP:-0.01}"
+  EVAL_INTERVAL="${EVAL_INTERVAL:-55}"; IMAGE_INTERVAL="${IMAGE_INTERVAL:-$ITERS}"
+  SAVE_INTERVAL="${SAVE_INTERVAL:-$ITERS}"; EVAL_PROMPTS="${EVAL_PROMPTS:-$(wc -l < "$EVAL_PROMPT_FILE")}"
 fi
 export EVAL_PROMPT_FILE="${EVAL_PROMPT_FILE:-}"
 : "${PROMPT_FILE:?set PROMPT_FILE to a prompt file (one prompt per line, or .jsonl)}"
@@ -78,6 +87,9 @@ GRPO_ARGS=(--prompts-per-iteration "$PROMPTS" --num-generations "$G" --num-infer
   --clip-range "${CLIP:-1e-4}" --adv-clip-max 5 --eval-prompts "$EVAL_PROMPTS" --true-cfg-scale "$TRUE_CFG")
 [ -n "${NEGATIVE_PROMPT:-}" ] && GRPO_ARGS+=(--negative-prompt "$NEGATIVE_PROMPT")
 [ -n "${KL_BETA:-}" ] && GRPO_ARGS+=(--kl-beta "$KL_BETA")
+[ "${SAME_NOISE:-0}" = 1 ] && GRPO_ARGS+=(--init-same-noise)
+[ -n "${EMA_DECAY:-}" ] && GRPO_ARGS+=(--ema-decay "$EMA_DECAY")
+[ -n "${EMA_DECAY_RAMP:-}" ] && GRPO_ARGS+=(--ema-decay-ramp "$EMA_DECAY_RAMP")
 OUTPUT_ARGS="--save ${SAVE:-$RUN_DIR/ckpt} --save-interval $SAVE_INTERVAL --log-interval $LOG_INTERVAL \
   --tensorboard-dir $RUN_DIR --eval-interval $EVAL_INTERVAL --save-image-interval $IMAGE_INTERVAL"
 [ -n "${LOAD:-}" ] && OUTPUT_ARGS="$OUTPUT_ARGS --load $LOAD"

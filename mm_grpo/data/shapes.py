@@ -159,6 +159,12 @@ def enumerate_prompts(config: ShapesConfig = ShapesConfig()) -> Dict[str, List[P
     }
 
 
+def grammar_corpus(config: ShapesConfig = ShapesConfig()):
+    """Every caption of the grammar, and each once with every background phrase."""
+    captions = [s.caption() for family in enumerate_prompts(config).values() for s in family]
+    return captions + [f"a red circle on a {b} background" for b in BACKGROUNDS]
+
+
 def split_prompts(config: ShapesConfig = ShapesConfig(), seed: int = 0, held_out: float = 0.2,
                   families: Sequence[str] = ("count", "pair", "relation")) -> Dict[str, List[str]]:
     """Captions split into `pretrain`, `grpo` and `eval`: in each family of `families` a random

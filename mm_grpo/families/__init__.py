@@ -20,7 +20,7 @@ others (each package's docstring lists where they are):
 Family code may import the shared floors, never the other way round (tests/test_layering.py)."""
 import dataclasses
 from types import ModuleType
-from typing import Callable
+from typing import Callable, Optional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,3 +44,6 @@ class Family:
     parts: Callable  # (model_cfg, settings, policy, device, dtype, guidance) -> (conditioner, decoder, denoiser)
     token_grid: Callable  # (height, width) -> (rows, columns) of the latent tokens; refuses a size in one line
     check_text: Callable  # (text_encoder block, prompts) -> None: a precomputed feature cache holds them all
+    # (ae block, device) -> encode(images [N, 3, H, W] in [0, 1]) -> the packed latents [N, *latent_shape] the
+    # transformer is trained on (deterministic); None: flow-matching training does not train the family
+    latent_encoder: Optional[Callable] = None

@@ -39,6 +39,10 @@ class Denoiser:
         `shift` (--sigma-shift; FLUX's and Wan's), unless the family's pipeline schedules otherwise."""
         return sigma_schedule(num_steps, shift)
 
+    def conditional(self) -> "Denoiser":
+        """The denoiser without classifier-free guidance: the prediction supervised flow matching trains."""
+        return self
+
     def rows_of(self, cond: Dict, rows) -> Dict:
         """The conditioning of some samples of a batch."""
         return {k: v[rows] if k in self.per_sample_keys and v is not None else v for k, v in cond.items()}

@@ -1,17 +1,23 @@
 """Train a tiny VAE for reconstruction: FLUX's layout (diffusers `AutoencoderKL`) on an image folder,
-or Wan2.1's (`AutoencoderKLWan`, `--family wan`) on a video-caption folder.
+Qwen-Image's (`AutoencoderKLQwenImage`, `--family qwen-image`: a causal video VAE run on one frame) on
+the same folder, or Wan2.1's (`AutoencoderKLWan`, `--family wan`) on a video-caption folder.
 
     python -m mm_grpo.tools.train_tiny_vae --data DATA_DIR --out VAE_DIR [--steps 1500 --seed 0]
+    python -m mm_grpo.tools.train_tiny_vae --family qwen-image --latent-channels 4 --data DATA_DIR --out VAE_DIR
     python -m mm_grpo.tools.train_tiny_vae --family wan --data VIDEO_DIR --out VAE_DIR [--steps 1500]
 
 FLUX's architecture is the tiny pipeline's (factor 8, 4 latent channels = 16 packed channels);
 Wan's is the tiny Wan pipeline's (`mm_grpo.families.wan.tiny`: factor 8 in space and 4 in time, a
-causal encoder that takes 4k + 1 frames) with Wan2.1's 16 latent channels.
+causal encoder that takes 4k + 1 frames) with Wan2.1's 16 latent channels; Qwen-Image's is the same
+architecture (the tiny Qwen-Image pipeline's, `mm_grpo.families.qwen_image.tiny`) on one-frame videos.
 Choices, each measured on the shapes data (docs/demo.md), the same for both:
 - the decoder reads the posterior mean plus Gaussian noise of a fixed fraction of the latents'
   spread (`latent_noise`), instead of a sample with a learnt variance and a KL term: a learnt
   variance starts at 1 and drowns the signal for hundreds of steps, while no noise at all gives
   a decoder that turns the small errors of a diffusion model's latents into stray blobs;
+  Qwen-Image's (Wan's layout, per-pixel RMS norms) learns far slower under that noise: on the shapes
+  data, 1,500 steps gave held-out L1 0.037 at noise 0.05 and 0.015 at 0 (docs/qwen_image.md), so its
+  recipe trains it with `--latent-noise 0`;
 - the pixel loss (L1 + squared error in [-1, 1]) weighs object pixels (those away from the
   image's median colour) and pixels next to an edge more: objects cover a tenth of the image,
   and their outlines are what tells a square from a circle;
@@ -24,8 +30,9 @@ over the pixels it encodes (its 8x8 square in the first frame alone, or in the g
 that one latent frame encodes, as Wan's causal encoder groups them).
 Afterwards the posterior means of the training data set the latents' normalisation, so the
 transformer sees zero-mean, unit-variance latents: FLUX's `shift_factor` (their mean) and
-`scaling_factor` (1 / their std), as FLUX's own VAE config arranges; Wan's per-channel
-`latents_mean` and `latents_std`, which WanPipeline undoes before decoding, as Wan2.1's config.
+`scaling_factor` (1 / their std), as FLUX's own VAE config arranges; Wan's and Qwen-Image's per-channel
+`latents_mean` and `latents_std`, which WanPipeline / QwenImagePipeline undo before decoding, as their
+configs hold them.
 """
 import argparse
 import dataclasses
@@ -42,16 +49,19 @@ from mm_grpo.families.wan.encoders import WAN_LATENT_CHANNELS, WAN_VAE_TEMPORAL,
 from mm_grpo.files.atomic import atomic_dir
 from mm_grpo.settings import add_setting_args, from_args, setting
 from mm_grpo.families.flux import tiny
+from mm_grpo.families.qwen_image import tiny as tiny_qwen_image
 from mm_grpo.families.wan import tiny as tiny_wan
 from mm_grpo.tiny.pipeline import seeded
 
-FAMILIES = ("flux", "wan")
+FAMILIES = ("flux", "wan", "qwen-image")
+VIDEO_VAES = {"wan": tiny_wan.VAE_CONFIG, "qwen-image": tiny_qwen_image.VAE_CONFIG}  # causal 3D, one layout
 
 
 @dataclasses.dataclass(frozen=True)
 class VaeTraining:
-    family: str = setting("flux", "flux: FLUX's AutoencoderKL on an image folder; wan: Wan2.1's AutoencoderKLWan "
-                                  "on a video-caption folder", choices=list(FAMILIES))
+    family: str = setting("flux", "flux: FLUX's AutoencoderKL on an image folder; qwen-image: Qwen-Image's "
+                                  "AutoencoderKLQwenImage on an image folder; wan: Wan2.1's AutoencoderKLWan on a "
+                                  "video-caption folder", choices=list(FAMILIES))
     steps: int = setting(2000, "optimizer steps", minimum=1)
     batch_size: int = setting(8, "images (videos) per step", minimum=1)
     lr: float = setting(2e-3, "AdamW's learning rate, cosine decay to 0")
@@ -60,27 +70,27 @@ class VaeTraining:
     foreground_weight: float = 10.0
     edge_weight: float = 20.0
     block_out_channels: Tuple[int, ...] = (8, 16, 32, 32)
-    latent_channels: int = setting(WAN_LATENT_CHANNELS, "latent channels of Wan's VAE (FLUX's has the tiny "
-                                                        "transformer's 4)", minimum=4)  # 3 are colour-anchored
+    latent_channels: int = setting(WAN_LATENT_CHANNELS, "latent channels of Wan's or Qwen-Image's VAE (FLUX's "
+                                                        "has the tiny transformer's 4)", minimum=4)  # 3 are colour-anchored
     seed: int = setting(0, "seed of the initial weights and the batches")
 
 
 def build_vae(block_out_channels=(8, 16, 32, 32), seed=0, family="flux", latent_channels=WAN_LATENT_CHANNELS):
-    """A random VAE of `family` whose stages have `block_out_channels` channels; Wan's: those
-    channels as a base width and multipliers, `latent_channels` latent channels, and a neutral
+    """A random VAE of `family` whose stages have `block_out_channels` channels; Wan's and Qwen-Image's:
+    those channels as a base width and multipliers, `latent_channels` latent channels, and a neutral
     normalisation (mean 0, std 1) until `train_vae` measures it."""
-    from diffusers import AutoencoderKL, AutoencoderKLWan
+    from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan
 
     if family == "flux":
         config = dict(tiny.VAE_CONFIG, block_out_channels=list(block_out_channels))
         return seeded(seed, lambda: AutoencoderKL(**config))
-    base = block_out_channels[0]
-    if any(c % base for c in block_out_channels) or len(block_out_channels) != len(tiny_wan.VAE_CONFIG["dim_mult"]):
-        raise ValueError(f"Wan's VAE takes {len(tiny_wan.VAE_CONFIG['dim_mult'])} stage widths, each a multiple "
+    base, layout = block_out_channels[0], VIDEO_VAES[family]
+    if any(c % base for c in block_out_channels) or len(block_out_channels) != len(layout["dim_mult"]):
+        raise ValueError(f"{family}'s VAE takes {len(layout['dim_mult'])} stage widths, each a multiple "
                          f"of the first, got {tuple(block_out_channels)}")
-    config = dict(tiny_wan.VAE_CONFIG, base_dim=base, dim_mult=[c // base for c in block_out_channels],
+    config = dict(layout, base_dim=base, dim_mult=[c // base for c in block_out_channels],
                   z_dim=latent_channels, latents_mean=[0.0] * latent_channels, latents_std=[1.0] * latent_channels)
-    return seeded(seed, lambda: AutoencoderKLWan(**config))
+    return seeded(seed, lambda: (AutoencoderKLWan if family == "wan" else AutoencoderKLQwenImage)(**config))
 
 
 def per_frame(weigh, x):
@@ -101,6 +111,8 @@ def cell_means(x, z):
     if x.dim() == 4:
         return F.avg_pool2d(x, factor)
     first = F.avg_pool3d(x[:, :, :1], (1, factor, factor))
+    if x.shape[2] == 1:  # Qwen-Image's images: one frame
+        return first
     return torch.cat([first, F.avg_pool3d(x[:, :, 1:], (WAN_VAE_TEMPORAL, factor, factor))], 2)
 
 
@@ -188,11 +200,13 @@ def reconstruct(vae, images):
 
 
 def training_data(folder, family, indices):
-    """The data a family's VAE trains on: images [N, 3, H, W] of an image folder; for Wan, videos
-    [N, 3, F, H, W] of a video-caption folder, whose frame count and size are checked against
-    the tiny Wan pipeline first (one line)."""
+    """The data a family's VAE trains on: images [N, 3, H, W] of an image folder (Qwen-Image: as
+    one-frame videos [N, 3, 1, H, W]); for Wan, videos [N, 3, F, H, W] of a video-caption folder, whose
+    frame count and size are checked against the tiny Wan pipeline first (one line)."""
     if family == "flux":
         return ImageCaptionDataset(folder).images(indices)
+    if family == "qwen-image":
+        return ImageCaptionDataset(folder).images(indices)[:, :, None]
     dataset = VideoCaptionDataset(folder)
     frames, _, height, width = dataset.videos([0]).shape[1:]
     video_latent_shape(frames, height, width)  # 4k + 1 frames, sides the DiT's 2 x 2 patches split
@@ -211,8 +225,8 @@ def main(argv=None):
     try:
         training = from_args(VaeTraining, args)
         if training.family == "flux" and training.latent_channels != WAN_LATENT_CHANNELS:
-            raise ValueError("--latent-channels sets Wan's VAE (--family wan); FLUX's tiny VAE has the tiny "
-                             "transformer's 4")
+            raise ValueError("--latent-channels sets Wan's or Qwen-Image's VAE (--family wan | qwen-image); "
+                             "FLUX's tiny VAE has the tiny transformer's 4")
         total = len(ImageCaptionDataset(args.data))
         n = total - args.held_out
         if n < 1:

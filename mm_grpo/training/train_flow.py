@@ -1,5 +1,6 @@
-"""Supervised flow-matching training of FLUX (pretraining or fine-tuning), the Megatron-style
-entry (run under torchrun), with the parallel layouts, checkpoints and resume of GRPO.
+"""Supervised flow-matching training of a family mm-grpo trains (FLUX, Qwen-Image; pretraining or
+fine-tuning), the Megatron-style entry (run under torchrun), with the parallel layouts, checkpoints and
+resume of GRPO.
 
     torchrun --nproc_per_node N -m mm_grpo.training.train_flow \
         --mm-model model.json --mm-data data.json --train-iters 1000 ... (see --help)
@@ -11,8 +12,11 @@ DIR is an image-caption folder (mm_grpo/data/image_captions.py), relative to dat
 global batch of a per-epoch permutation; the batch of iteration i depends on i only, so a
 resumed run reads exactly what an uninterrupted one would. Noise and timesteps are drawn per
 (seed, iteration, global sample index): the run does not depend on the parallel layout.
+The model is trained without classifier-free guidance (`Denoiser.conditional`); the family's guidance
+flags set the held-out evaluation's sampling.
 """
 import dataclasses
+import functools
 import os
 from typing import Dict, List, Optional
 
@@ -22,13 +26,8 @@ from megatron.core import parallel_state
 from mm_grpo import configs
 from mm_grpo.checkpoint.resume import ResumeRefused
 from mm_grpo.data.image_captions import ImageCaptionDataset
-from mm_grpo.families.flux import parts as flux_parts
-from mm_grpo.families.flux.chunks import conditioning, forward_backward
-from mm_grpo.families.flux.denoiser import FluxDenoiser, FluxGuidance
-from mm_grpo.families.flux.family import FAMILY as FLUX
-from mm_grpo.families.flux.transformer.latents import LATENT_FACTOR, VAE_SCALE_FACTOR, pack_latents, token_grid
-from mm_grpo.families.flux.vae import encode_latents
 from mm_grpo.flow import FlowMatchingSettings, flow_matching_loss, noisy_latents, sample_sigmas
+from mm_grpo.grpo.denoiser import NegativePrompt
 from mm_grpo.parallel import initialize_parallel
 from mm_grpo.seeding import DEFAULT_SEED, Stream, seeded_generator
 from mm_grpo.settings import from_args, setting
@@ -44,7 +43,6 @@ class FlowSettings:
     global_batch_size: int
     micro_batch_size: int
     flow: FlowMatchingSettings
-    guidance: FluxGuidance = FluxGuidance()
     seed: int = DEFAULT_SEED
 
     @property
@@ -66,10 +64,15 @@ class FlowRunSettings:
     height: Optional[int] = setting(None, "side of the square training images (default: model.json image_size)")
     eval_prompts: int = setting(64, "held-out prompts per evaluation")
     num_inference_steps: int = setting(16, "ODE steps of the evaluation")
-    sigma_shift: float = setting(3.0, "shift of the evaluation's sigma schedule")
+    sigma_shift: float = setting(3.0, "shift of the evaluation's sigma schedule (FLUX's; Qwen-Image samples with "
+                                      "its pipeline's)")
+
+    @property
+    def width(self) -> Optional[int]:
+        return self.height  # square images (centre-cropped)
 
 
-FLOW_GROUP = {"flow matching": (FlowMatchingSettings, FluxGuidance, FlowRunSettings)}
+FLOW_GROUP = {"flow matching": (FlowMatchingSettings, *arguments.GUIDANCE, NegativePrompt, FlowRunSettings)}
 # what FlowRun reads of data.json's dataset_param (any other key is refused: components.check_data_config)
 FLOW_DATASET_KEYS = ("data_folder", "image_column", "caption_column", "cache_features", *components.EVAL_KEYS)
 
@@ -79,43 +82,38 @@ def parse_args(argv=None):
 
 
 class FeatureEncoder:
-    """Images -> packed, normalised VAE latents; captions -> text conditioning.
+    """Images -> the family's packed, normalised VAE latents; captions -> the denoiser's conditioning.
 
-    Latents are the posterior means (deterministic), so with `cache` each image and each
-    caption is encoded once per run (memory grows with the data: for small datasets)."""
+    Latents are the posterior means (deterministic), so with `cache` each image is encoded once per run
+    and every caption of the dataset once at the start (memory grows with the data: for small datasets)."""
 
-    def __init__(self, ae_block, text_block, dataset, in_channels, device, dtype, cache=False):
-        from mm_grpo.families.flux.vae import load_vae
-        self.vae = load_vae(configs.block(ae_block, "from_pretrained", "ae"), device=device)
-        packed = 4 * self.vae.config.latent_channels
-        if packed != in_channels:
-            raise ValueError(f"the VAE has {self.vae.config.latent_channels} latent channels ({packed} packed), "
-                             f"but the transformer takes {in_channels}")
-        self.conditioner = flux_parts.conditioner(text_block, device, dtype)
-        self.dataset, self.device, self.cache = dataset, device, cache
-        self.latent_cache, self.text_cache = {}, {}
+    def __init__(self, family, ae_block, text, denoiser, dataset, device, cache=False):
+        self.encode = family.latent_encoder(ae_block, device)
+        self.text, self.denoiser, self.dataset, self.device, self.cache = text, denoiser, dataset, device, cache
+        self.latent_cache = {}
+        shape = tuple(self.latents([0]).shape[1:])
+        if shape != tuple(denoiser.latent_shape):
+            raise ValueError(f"the VAE's latents of a {dataset.resolution}-pixel image are {list(shape)} (tokens, "
+                             f"channels), but the transformer takes {list(denoiser.latent_shape)}")
+        if cache:
+            self.captions = list(dict.fromkeys(dataset.captions_of(range(len(dataset)))))
+            self.rows, self.all_text = {c: i for i, c in enumerate(self.captions)}, text(self.captions)
 
     @torch.no_grad()
     def latents(self, indices: List[int]) -> torch.Tensor:
         todo = [i for i in dict.fromkeys(indices) if i not in self.latent_cache]
         found = {}
         if todo:
-            z = encode_latents(self.vae, self.dataset.images(todo))
-            found = dict(zip(todo, pack_latents(z).float()))
+            found = dict(zip(todo, self.encode(self.dataset.images(todo)).float()))
             if self.cache:
                 self.latent_cache.update(found)
         return torch.stack([self.latent_cache.get(i, found.get(i)) for i in indices])
 
-    def text(self, captions: List[str]):
-        todo = [c for c in dict.fromkeys(captions) if c not in self.text_cache]
-        found = {}
-        if todo:
-            embeds, pooled, txt_ids = self.conditioner(todo)
-            found = {c: (e, p, txt_ids) for c, e, p in zip(todo, embeds, pooled)}
-            if self.cache:
-                self.text_cache.update(found)
-        rows = [self.text_cache.get(c, found.get(c)) for c in captions]
-        return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]), rows[0][2]
+    def conditioning(self, captions: List[str]) -> Dict:
+        if self.cache:
+            return self.denoiser.conditioning(self.all_text, torch.tensor([self.rows[c] for c in captions]),
+                                              self.device)
+        return self.denoiser.conditioning(self.text(captions), None, self.device)
 
 
 class FlowRun(ConfiguredRun):
@@ -123,18 +121,18 @@ class FlowRun(ConfiguredRun):
 
     def __init__(self, args):
         super().__init__(args)
-        if self.family is not FLUX:
-            raise ValueError(f"flow-matching training (mm_grpo.training.train_flow) trains FLUX; model.json's predictor "
-                             f"is {self.family.model_id!r}")
+        family = self.family
+        if family.latent_encoder is None:
+            raise ValueError(f"flow-matching training (mm_grpo.training.train_flow) does not train {family.name}")
         check_resume(args)  # the iteration to resume: intact, before --train-iters
         height, width = configs.configured_size(self.model_cfg)
         if height != width and not args.height:
             raise ValueError(f"image_size {height}x{width}: flow-matching training reads square images "
                              "(centre-cropped); set a square image_size or --height")
         size = args.height or height
-        if size % LATENT_FACTOR:
-            raise ValueError(f"image size {size} must be a multiple of {LATENT_FACTOR} (VAE {VAE_SCALE_FACTOR} x packing 2)")
+        family.token_grid(size, size)  # the size splits into whole latent tokens, else one line
         self.size = size
+        guidance = arguments.family_guidance(args, family)
         params = configs.block(self.data_cfg, "dataset_param", "--mm-data")
         if "data_folder" not in params:
             raise ValueError("--mm-data: dataset_param needs 'data_folder' (an image-caption folder)")
@@ -147,36 +145,36 @@ class FlowRun(ConfiguredRun):
         initialize_parallel(parallel, seed=args.seed, timeout_minutes=args.distributed_timeout_minutes)
         dp_size = parallel_state.get_data_parallel_world_size()
         self.settings = from_args(FlowSettings, args, global_batch_size=args.global_batch_size or
-                                  args.micro_batch_size * dp_size, flow=from_args(FlowMatchingSettings, args), guidance=from_args(FluxGuidance, args))
+                                  args.micro_batch_size * dp_size, flow=from_args(FlowMatchingSettings, args))
         self.settings.check(dp_size)
-        self.model = build_trainable(args, FLUX, self.config, self.predictor, parallel)
+        self.model = build_trainable(args, family, self.config, self.predictor, parallel)
         dtype = torch.bfloat16 if args.bf16 else torch.float32
-        self.features = FeatureEncoder(configs.block(self.model_cfg, "ae", "--mm-model"),
-                                       configs.block(self.model_cfg, "text_encoder", "--mm-model"),
-                                       self.dataset, self.config.in_channels, self.device, dtype,
+        run = dataclasses.replace(from_args(FlowRunSettings, args), height=size)
+        text, decoder, self.sampler = family.parts(self.model_cfg, run, self.model.chunks, self.device, dtype,
+                                                   guidance)
+        self.denoiser = self.sampler.conditional()  # what flow matching trains: no classifier-free guidance
+        self.features = FeatureEncoder(family, configs.block(self.model_cfg, "ae", "--mm-model"), text,
+                                       self.denoiser, self.dataset, self.device,
                                        cache=bool(params.get("cache_features", False)))
-        self.grid = token_grid(size, size)
-        self.evaluator = self._evaluator(params)
+        self.evaluator = self._evaluator(params, text, decoder)
         if self.model.resume:
             self.resume()
 
-    def _evaluator(self, params):
-        """ODE samples of the held-out prompts, scored by model.json's rewards (if both are given)."""
+    def _evaluator(self, params, text, decoder):
+        """ODE samples of the held-out prompts, scored by model.json's rewards (if both are given), with the
+        family's guidance."""
         if not params.get("eval_prompt_file") or "reward" not in self.model_cfg:
             return None
         from mm_grpo.data import read_prompts
         from mm_grpo.rewards.combined import CombinedReward
-        from mm_grpo.rollout import sigma_schedule
         from mm_grpo.training.evaluation import Evaluator, eval_settings
         samples_per_prompt, seed = eval_settings(params)
         prompts = read_prompts(params["eval_prompt_file"])[:self.args.eval_prompts]
         reward = CombinedReward.from_configs(self.model_cfg["reward"], device=self.device)
         reward.check_prompts(prompts)  # before training, not at the first evaluation
-        return Evaluator(
-            prompts, self.features.text, flux_parts.decoder(self.model_cfg["ae"], self.device, torch.float32), reward,
-            sigma_schedule(self.args.num_inference_steps, self.args.sigma_shift).to(self.device),
-            FluxDenoiser(self.size, self.size, self.config.in_channels, self.settings.guidance.guidance_scale),
-            self.size, self.size, samples_per_prompt, seed=seed, device=self.device)
+        sigmas = self.sampler.sigmas(self.args.num_inference_steps, self.args.sigma_shift).to(self.device)
+        return Evaluator(prompts, text, decoder, reward, sigmas, self.sampler, self.size, self.size,
+                         samples_per_prompt, seed=seed, device=self.device)
 
     # --- data -------------------------------------------------------------------------
     def local_samples(self, iteration: int) -> range:
@@ -205,14 +203,11 @@ class FlowRun(ConfiguredRun):
             noise.append(torch.randn(x0.shape[1:], generator=g))
             sigma.append(sample_sigmas(1, self.settings.flow, tokens, generator=g))
         noise, sigma = torch.stack(noise).to(self.device), torch.cat(sigma).to(self.device)
-        cond = conditioning(self.features.text(self.dataset.captions_of(indices)), self.grid,
-                            self.settings.guidance.guidance_scale, self.device)
+        cond = self.features.conditioning(self.dataset.captions_of(indices))
         x_t = noisy_latents(x0, noise, sigma)
         mbs = self.settings.micro_batch_size
-        return [dict(hidden_states=x_t[i:i + mbs], timestep=sigma[i:i + mbs], x0=x0[i:i + mbs],
-                     noise=noise[i:i + mbs], encoder_hidden_states=cond["encoder_hidden_states"][i:i + mbs],
-                     pooled_projections=cond["pooled_projections"][i:i + mbs], guidance=cond["guidance"][i:i + mbs],
-                     txt_ids=cond["txt_ids"], img_ids=cond["img_ids"])
+        return [dict(self.denoiser.rows_of(cond, slice(i, i + mbs)), hidden_states=x_t[i:i + mbs],
+                     timestep=sigma[i:i + mbs], x0=x0[i:i + mbs], noise=noise[i:i + mbs])
                 for i in range(0, len(samples), mbs)]
 
     # --- training ---------------------------------------------------------------------
@@ -226,6 +221,7 @@ class FlowRun(ConfiguredRun):
 
     def step(self, iteration: int) -> Dict[str, float]:
         m = self.model
+        forward_backward = functools.partial(self.family.forward_backward, denoiser=self.denoiser)
         return optimizer_step(m.chunks, m.optimizer, m.scheduler, self.micro_batches(iteration), self.loss_fn,
                               forward_backward=forward_backward)[1]
 

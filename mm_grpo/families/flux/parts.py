@@ -21,6 +21,14 @@ def decoder(ae_block, device, dtype):
     return VaeDecoder(block(ae_block, "from_pretrained", "ae"), device=device, dtype=dtype)
 
 
+def latent_encoder(ae_block, device):
+    """images [N, 3, H, W] in [0, 1] -> the packed, normalised latents of model.json's VAE."""
+    from mm_grpo.families.flux.transformer.latents import pack_latents
+    from mm_grpo.families.flux.vae import encode_latents, load_vae
+    vae = load_vae(block(ae_block, "from_pretrained", "ae"), device=device)
+    return lambda images: pack_latents(encode_latents(vae, images))
+
+
 def parts(model_cfg, settings, policy, device, dtype, guidance: FluxGuidance):
     """(conditioner, decoder, denoiser) of a FLUX run: model.json's text encoders and VAE decoder, what
     training/components.py `grpo_schedule` asks of a family."""

@@ -9,25 +9,16 @@ prior, see `local_t5`), a trained VAE and a trained transformer.
 
 examples/flux/build_tiny_shapes.sh runs the whole recipe.
 """
-import argparse
-from pathlib import Path
-
 import torch
 
-from mm_grpo.data.shapes import BACKGROUNDS, ShapesConfig, enumerate_prompts
-from mm_grpo.files.atomic import atomic_dir
+from mm_grpo.data.shapes import grammar_corpus
 from mm_grpo.families.flux import tiny
+from mm_grpo.tiny import pipeline
 from mm_grpo.tiny.pipeline import seeded
 from mm_grpo.tiny.text import T5_CONFIG, grammar_t5_tokenizer
 
 # The tiny transformer with a wider model: D = 4 heads x 24 = 96 (heads divisible by TP x SP = 4).
 TRANSFORMER_CONFIG = dict(tiny.TRANSFORMER_CONFIG, attention_head_dim=24, axes_dims_rope=[4, 10, 10])
-
-
-def grammar_corpus(config: ShapesConfig = ShapesConfig()):
-    """Every caption of the grammar, and each once with every background phrase."""
-    captions = [s.caption() for family in enumerate_prompts(config).values() for s in family]
-    return captions + [f"a red circle on a {b} background" for b in BACKGROUNDS]
 
 
 def build_clip_tokenizer(corpus):
@@ -95,42 +86,19 @@ def build_init_pipeline(vae_dir, seed=0, transformer_config=TRANSFORMER_CONFIG):
         transformer=seeded(seed + 3, lambda: FluxTransformer2DModel(**transformer_config)))
 
 
-def save_pipeline(pipe, out):
-    """save_pretrained into a temporary sibling folder, renamed into place."""
-    with atomic_dir(out) as tmp:
-        pipe.save_pretrained(tmp, safe_serialization=True)
-    return Path(out)
+VAE_HELP = "trained VAE folder (python -m mm_grpo.tools.train_tiny_vae)"
 
 
-def finish_pipeline(init_dir, transformer_dir, out, dtype=torch.float16):
-    """The init pipeline with its transformer replaced by the trained one, stored in `dtype`
-    (fp16 halves the folder; diffusers and mm_grpo's loaders read it back as fp32)."""
+def finish_pipeline(init_dir, transformer_dir, out):
+    """The init pipeline with its transformer replaced by the trained one (fp16, `mm_grpo.tiny.pipeline`)."""
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
-    transformer = FluxTransformer2DModel.from_pretrained(transformer_dir, torch_dtype=dtype)
-    return save_pipeline(FluxPipeline.from_pretrained(init_dir, transformer=transformer), out)
+    return pipeline.finish_pipeline(FluxPipeline, FluxTransformer2DModel, init_dir, transformer_dir, out)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m mm_grpo.families.flux.tiny_shapes",
-                                     description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    init = sub.add_parser("init", help="pipeline with a trained VAE, random text encoders and transformer")
-    init.add_argument("--vae", required=True, help="trained VAE folder (python -m mm_grpo.tools.train_tiny_vae)")
-    init.add_argument("--out", required=True)
-    init.add_argument("--seed", type=int, default=0)
-    finish = sub.add_parser("finish", help="swap in the trained transformer")
-    finish.add_argument("--init", required=True, help="the folder `init` made")
-    finish.add_argument("--transformer", required=True, help="trained diffusers transformer folder")
-    finish.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "init":
-            print(save_pipeline(build_init_pipeline(args.vae, args.seed), args.out))
-        else:
-            print(finish_pipeline(args.init, args.transformer, args.out))
-    except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    pipeline.init_finish_main(argv, "python -m mm_grpo.families.flux.tiny_shapes", __doc__.splitlines()[0],
+                              build_init_pipeline, finish_pipeline, VAE_HELP)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,9 @@ class QwenImageDenoiser(Denoiser):
         rows, cols = token_grid(self.height, self.width)
         return sigma_schedule(num_steps, rows * cols, self.scheduler)
 
+    def conditional(self) -> "QwenImageDenoiser":
+        return dataclasses.replace(self, true_cfg_scale=1.0, negative=None)
+
     @property
     def guided(self) -> bool:
         return self.true_cfg_scale > 1

@@ -12,4 +12,5 @@ FAMILY = Family(
     build_model_chunks=chunks.build_model_chunks, load_pretrained=chunks.load_pretrained,
     forward_backward=chunks.forward_backward, lora=lora, read_diffusers_lora=read_diffusers_lora, weights=weights,
     checkpoint_meta=CheckpointMeta, lora_entry=adapters.lora_entry, checkpoint_base=adapters.checkpoint_base,
-    guidance=QwenImageGuidance, parts=parts.parts, token_grid=token_grid, check_text=parts.check_text)
+    guidance=QwenImageGuidance, parts=parts.parts, token_grid=token_grid, check_text=parts.check_text,
+    latent_encoder=parts.latent_encoder)

@@ -35,6 +35,13 @@ def decoder(ae_block, device, dtype):
     return VaeDecoder(block(ae_block, "from_pretrained", "ae"), device=device, dtype=dtype)
 
 
+def latent_encoder(ae_block, device):
+    """images [N, 3, H, W] in [0, 1] -> the packed, normalised latents of model.json's VAE."""
+    from mm_grpo.families.qwen_image.vae import encode_latents, load_vae
+    vae = load_vae(block(ae_block, "from_pretrained", "ae"), device=device)
+    return lambda images: encode_latents(vae, images)
+
+
 def scheduler_config(ae_block) -> Optional[dict]:
     """The scheduler config of the pipeline folder model.json's ae names, when it has one (else Qwen-Image's)."""
     folder = ae_block.get("from_pretrained")

@@ -68,10 +68,10 @@ MODEL_MAX_LENGTH = 32768  # Qwen2's tokenizer
 TRANSFORMER_INIT_STD = 0.1  # every transformer weight drawn N(0, std^2): no zero-initialised gate hides the text
 
 
-def _corpus():
+def _corpus(captions):
     """The captions and the prompt template's text between its special tokens."""
     specials = "|".join(re.escape(t) for t in SPECIAL_TOKENS)
-    return list(CAPTIONS) + [piece for piece in re.split(specials, PROMPT_TEMPLATE.format("")) if piece]
+    return list(captions) + [piece for piece in re.split(specials, PROMPT_TEMPLATE.format("")) if piece]
 
 
 def qwen2_tokenizer(vocab, merges, **kwargs):
@@ -139,12 +139,12 @@ def _merge(word, pair):
     return tuple(out)
 
 
-def build_tokenizer():
-    """Qwen2's tokenizer with a byte-level BPE learnt on the captions and the prompt template, laid out
+def build_tokenizer(captions=CAPTIONS):
+    """Qwen2's tokenizer with a byte-level BPE learnt on `captions` and the prompt template, laid out
     as Qwen2's vocabulary: the 256 bytes, one token per merge, then Qwen2.5-VL's special tokens."""
     from tokenizers import pre_tokenizers
 
-    merges = _learn_bpe(_words(_corpus()))
+    merges = _learn_bpe(_words(_corpus(captions)))
     tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["".join(m) for m in merges] + list(SPECIAL_TOKENS)
     return qwen2_tokenizer({t: i for i, t in enumerate(dict.fromkeys(tokens))}, merges)
 
