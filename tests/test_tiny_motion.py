@@ -137,7 +137,7 @@ def test_vae_cli_refuses_a_frame_count_wans_vae_cannot_take_before_training(tmp_
     refused(capsys, train_tiny_vae.main, ["--family", "wan", "--data", eight, "--out", str(tmp_path),
                                           "--held-out", "1"], "already exists")
     refused(capsys, train_tiny_vae.main, ["--data", eight, "--out", str(tmp_path / "vae"), "--latent-channels", "4"],
-            "--latent-channels sets Wan's VAE")
+            "--latent-channels sets Wan's or Qwen-Image's VAE")
     refused(capsys, train_tiny_vae.main, ["--family", "wan", "--data", eight, "--out", str(tmp_path / "vae"),
                                           "--latent-channels", "3"], "--latent-channels must be >= 4")
     assert sorted(os.listdir(tmp_path)) == ["eight"]
