@@ -15,26 +15,25 @@ def seeded(seed, build):
         return build()
 
 
-def write_pipeline(path, make_pipeline) -> Path:
+def write_pipeline(path, make_pipeline, then=None) -> Path:
     """`make_pipeline()` saved as the diffusers folder `path` (which must not exist), atomically; the
-    pipeline is built once the folder is known to be free."""
+    pipeline is built once the folder is known to be free, and `then(folder)`, when given, edits the
+    written files before the folder is renamed into place."""
     with atomic_dir(path) as tmp:
         make_pipeline().save_pretrained(tmp, safe_serialization=True)
+        if then is not None:
+            then(Path(tmp))
     return Path(path)
 
 
-def save_pipeline(pipe, out) -> Path:
-    """save_pretrained into a temporary sibling folder, renamed into place."""
-    with atomic_dir(out) as tmp:
-        pipe.save_pretrained(tmp, safe_serialization=True)
-    return Path(out)
-
-
-def finish_pipeline(pipeline_class, transformer_class, init_dir, transformer_dir, out, dtype=torch.float16):
+def finish_pipeline(pipeline_class, transformer_class, init_dir, transformer_dir, out, dtype=torch.float16,
+                    then=None):
     """The init pipeline with its transformer replaced by the trained one, stored in `dtype` (fp16 halves
-    the folder; diffusers and mm-grpo's loaders read it back as fp32)."""
-    transformer = transformer_class.from_pretrained(transformer_dir, torch_dtype=dtype)
-    return save_pipeline(pipeline_class.from_pretrained(init_dir, transformer=transformer), out)
+    the folder; diffusers and mm-grpo's loaders read it back as fp32); `then` as for `write_pipeline`."""
+    def finished():
+        transformer = transformer_class.from_pretrained(transformer_dir, torch_dtype=dtype)
+        return pipeline_class.from_pretrained(init_dir, transformer=transformer)
+    return write_pipeline(out, finished, then)
 
 
 def init_finish_main(argv, prog, description, build_init_pipeline, finish, vae_help):
@@ -54,7 +53,7 @@ def init_finish_main(argv, prog, description, build_init_pipeline, finish, vae_h
     args = parser.parse_args(argv)
     try:
         if args.command == "init":
-            print(save_pipeline(build_init_pipeline(args.vae, args.seed), args.out))
+            print(write_pipeline(args.out, lambda: build_init_pipeline(args.vae, args.seed)))
         else:
             print(finish(args.init, args.transformer, args.out))
     except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:

@@ -16,7 +16,6 @@ from mm_grpo.data.shapes import grammar_corpus
 from mm_grpo.families.qwen_image import tiny
 from mm_grpo.families.qwen_image.sigmas import SCHEDULER_CONFIG
 from mm_grpo.families.qwen_image.transformer.config import QwenImageConfig
-from mm_grpo.files.atomic import atomic_dir
 from mm_grpo.tiny import pipeline
 from mm_grpo.tiny.pipeline import seeded
 
@@ -45,32 +44,30 @@ def build_init_pipeline(vae_dir, seed=0, config: QwenImageConfig = TRANSFORMER):
 VAE_HELP = "trained VAE folder (python -m mm_grpo.tools.train_tiny_vae --family qwen-image --latent-channels 4)"
 
 
+def readable_by_transformers_4(folder: Path):
+    """A pipeline folder written with transformers 5 made readable by 4.x too (MindSpeed-MM's 4.57): the text
+    encoder's `rope_scaling` beside the `rope_parameters` transformers 5 writes, and the tokenizer's
+    vocab.json / merges.txt beside its tokenizer.json (4.57's Qwen2Tokenizer, which model_index.json names,
+    reads those)."""
+    config_file = folder / "text_encoder" / "config.json"
+    config = json.loads(config_file.read_text())
+    text = config["text_config"]
+    rope = text.get("rope_parameters") or text["rope_scaling"]
+    text.update(rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]}, rope_theta=rope["rope_theta"])
+    config_file.write_text(json.dumps(config, indent=2))
+    bpe = json.loads((folder / "tokenizer" / "tokenizer.json").read_text())["model"]
+    (folder / "tokenizer" / "vocab.json").write_text(json.dumps(bpe["vocab"]))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]]
+    (folder / "tokenizer" / "merges.txt").write_text("#version: 0.2\n" + "".join(m + "\n" for m in merges))
+
+
 def finish_pipeline(init_dir, transformer_dir, out):
     """The init pipeline with its transformer replaced by the trained one (fp16, `mm_grpo.tiny.pipeline`),
-    readable by transformers 4 too (MindSpeed-MM's 4.57): the text encoder's `rope_scaling` beside the
-    `rope_parameters` transformers 5 writes, and the tokenizer's vocab.json / merges.txt beside its
-    tokenizer.json (4.57's Qwen2Tokenizer, which the pipeline's model_index.json names, reads those)."""
+    readable by transformers 4 and 5."""
     from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 
-    with atomic_dir(out) as tmp:
-        pipeline.finish_pipeline(QwenImagePipeline, QwenImageTransformer2DModel, init_dir, transformer_dir,
-                                 Path(tmp) / "pipeline")
-        config_file = Path(tmp) / "pipeline" / "text_encoder" / "config.json"
-        config = json.loads(config_file.read_text())
-        text = config["text_config"]
-        rope = text.get("rope_parameters") or text["rope_scaling"]
-        text.update(rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]},
-                    rope_theta=rope["rope_theta"])
-        config_file.write_text(json.dumps(config, indent=2))
-        tokenizer = Path(tmp) / "pipeline" / "tokenizer"
-        bpe = json.loads((tokenizer / "tokenizer.json").read_text())["model"]
-        (tokenizer / "vocab.json").write_text(json.dumps(bpe["vocab"]))
-        merges = [m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]]
-        (tokenizer / "merges.txt").write_text("#version: 0.2\n" + "".join(m + "\n" for m in merges))
-        for part in (Path(tmp) / "pipeline").iterdir():
-            part.rename(Path(tmp) / part.name)
-        (Path(tmp) / "pipeline").rmdir()
-    return Path(out)
+    return pipeline.finish_pipeline(QwenImagePipeline, QwenImageTransformer2DModel, init_dir, transformer_dir, out,
+                                    then=readable_by_transformers_4)
 
 
 def main(argv=None):
