@@ -96,8 +96,8 @@ class FeatureEncoder:
             raise ValueError(f"the VAE's latents of a {dataset.resolution}-pixel image are {list(shape)} (tokens, "
                              f"channels), but the transformer takes {list(denoiser.latent_shape)}")
         if cache:
-            self.captions = list(dict.fromkeys(dataset.captions_of(range(len(dataset)))))
-            self.rows, self.all_text = {c: i for i, c in enumerate(self.captions)}, text(self.captions)
+            captions = list(dict.fromkeys(dataset.captions_of(range(len(dataset)))))
+            self.rows, self.all_text = {c: i for i, c in enumerate(captions)}, text(captions)
 
     @torch.no_grad()
     def latents(self, indices: List[int]) -> torch.Tensor:
