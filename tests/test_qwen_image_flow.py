@@ -69,10 +69,17 @@ def test_cached_features_train_as_the_encoder_does(parallel_1proc, configs):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
 
 
-def test_resume_repeats_the_uninterrupted_run_exactly(parallel_1proc, configs, tmp_path):
-    full, run_full = run_flow(flow_argv(*configs, iters=4))
-    first, _ = run_flow(flow_argv(*configs, iters=2, extra=["--save", str(tmp_path / "ckpt")]))
-    second, run_resumed = run_flow(flow_argv(*configs, iters=4, extra=["--load", str(tmp_path / "ckpt")]))
+# The trainer's speed / memory flags for Qwen-Image, each through train, save and exact resume.
+FLAGS = {"plain": [], "recompute": ["--recompute-activations"], "bf16": ["--bf16"],
+         "lora": ["--lora-target-modules", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "--lora-r", "4",
+                  "--lora-alpha", "4"]}
+
+
+@pytest.mark.parametrize("flags", FLAGS.values(), ids=FLAGS.keys())
+def test_resume_repeats_the_uninterrupted_run_exactly(parallel_1proc, configs, tmp_path, flags):
+    full, run_full = run_flow(flow_argv(*configs, iters=4, extra=flags))
+    first, _ = run_flow(flow_argv(*configs, iters=2, extra=[*flags, "--save", str(tmp_path / "ckpt")]))
+    second, run_resumed = run_flow(flow_argv(*configs, iters=4, extra=[*flags, "--load", str(tmp_path / "ckpt")]))
     assert run_resumed.start_iteration == 2
     assert [h["loss"] for h in first + second] == [h["loss"] for h in full]
     a = dict(run_full.model.modules[0].named_parameters())
