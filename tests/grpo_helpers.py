@@ -33,7 +33,8 @@ if "test_smooth" not in REWARDS:
             return (images * pattern).flatten(1).mean(1) * 100
 
 
-SMOOTH_REWARD = [{"name": "test_smooth", "weight": 1.0}]
+# `module`: the processes a shipped launch script starts import it too (the repository is on their PYTHONPATH).
+SMOOTH_REWARD = [{"name": "test_smooth", "module": "tests.grpo_helpers", "weight": 1.0}]
 
 
 def write_run_configs(folder, model: dict, data: dict):

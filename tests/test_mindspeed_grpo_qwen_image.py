@@ -13,7 +13,7 @@ import pytest
 from mm_grpo.families.qwen_image.predictor_block import MODEL_ID
 from mm_grpo.families.qwen_image.transformer import QwenImageConfig
 from tests.fixtures import parallel_1proc  # noqa: F401
-from tests.grpo_helpers import grpo_argv, run_grpo, write_configs
+from tests.grpo_helpers import SMOOTH_REWARD, grpo_argv, run_grpo, write_configs
 from tests.ports import free_port
 from tests.standins.ascend_install import ascend_install
 from tests.test_mindspeed_grpo import (KL_BETA, LAUNCH_TIMEOUT_S, SCRIPT_VARIABLES, TOL, _child_env, saved_model,
@@ -29,7 +29,7 @@ SAMPLER = "flow_sde"  # the script's default
 def write_qwen_image_configs(folder, pipeline_dir):
     """mm-grpo's model.json / data.json, and MindSpeed-MM's (the architecture inline with MindSpeed-MM's
     names of the heads, from_pretrained one file, absolute paths) with a tools.json."""
-    ours = write_configs(folder, pipeline_dir)
+    ours = write_configs(folder, pipeline_dir, reward=SMOOTH_REWARD)  # no 8-bit steps (test_mindspeed_grpo.configs)
     with open(ours[0]) as f:
         model = json.load(f)
     transformer = os.path.join(str(pipeline_dir), "transformer")

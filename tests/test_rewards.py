@@ -42,6 +42,11 @@ def test_registry_names():
         ({"name": "pickscore", "path": "/nonexistent"}, FileNotFoundError, "is not an existing folder"),
         ({"name": "aesthetic", "path": "/nonexistent.pth"}, FileNotFoundError, "path /nonexistent.pth"),
         ({"name": "jpeg_compressibility", "dtype": "fp8"}, ValueError, "dtype must be one of"),
+        ({"name": "mine", "module": "no_such_reward_module"}, ValueError,
+         r'^reward config "mine": module \'no_such_reward_module\' cannot be imported \(ModuleNotFoundError: '),
+        ({"name": "mine", "module": "json"}, ValueError,
+         r"^unknown reward 'mine' \(module 'json' registers none by that name\); known: aesthetic"),
+        ({"name": "mine", "module": 3}, ValueError, r'^reward config "mine": module must be a Python module name'),
     ],
 )
 def test_config_errors_are_one_line(cfg, error, match, monkeypatch):
@@ -50,6 +55,33 @@ def test_config_errors_are_one_line(cfg, error, match, monkeypatch):
     # Errors must come before any model is built.
     monkeypatch.setattr(open_clip, "create_model", lambda *a, **k: pytest.fail("model built before the check"))
     assert_one_line_error(lambda: build_reward(cfg), match, error)
+
+
+USER_REWARD = """
+import torch
+from mm_grpo.rewards import Reward, register_reward
+
+@register_reward("user_brightness")
+class Brightness(Reward):
+    def score(self, images, prompts):
+        return images.mean((1, 2, 3))
+"""
+
+
+def test_a_reward_of_your_own_registers_from_its_module(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(USER_REWARD)
+    (tmp_path / "broken_rewards.py").write_text("raise RuntimeError('a bug in the module\\nsecond line')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(REWARDS, "user_brightness", raising=False)
+    images = _flat_and_noisy()
+    combined = CombinedReward.from_configs([{"name": "user_brightness", "module": "my_rewards", "weight": 2.0},
+                                            {"name": "jpeg_compressibility", "weight": 0.0}])
+    values = combined.rewards["user_brightness"](images, ["a", "b"])
+    torch.testing.assert_close(values, images.mean((1, 2, 3)), rtol=0, atol=0)
+    assert_one_line_error(lambda: build_reward({"name": "x", "module": "broken_rewards"}),
+                          r"^reward config \"x\": module 'broken_rewards' cannot be imported \(RuntimeError: "
+                          r"a bug in the module\); it must be importable in every process", ValueError)
+    monkeypatch.delitem(REWARDS, "user_brightness")
 
 
 def test_jpeg_rewards_sign_and_values():

@@ -5,12 +5,13 @@
   one sample at a time; two samples in one call mix (the reason the Wan path runs one per micro-batch).
 - With classifier-free guidance, its velocity is the one diffusers' WanPipeline steps with (guidance_scale 5,
   the same negative prompt).
-- `examples/wan/grpo_wan.sh` as shipped (its tiny CPU run: DP 2, CFG 5) trains what one process trains, and
-  what Ulysses CP 2 and PP 2 train: the logged losses, rewards and gradient norms and the saved weights,
-  3 iterations.
+- `examples/wan/grpo_wan.sh` as shipped (its tiny CPU run: DP 2, CFG 5; MODEL_JSON its model_tiny.json with
+  a reward without 8-bit steps) trains what one process trains, and what Ulysses CP 2 and PP 2 train: the
+  logged losses, rewards and gradient norms and the saved weights, 3 iterations.
 - One line for the layouts the Wan path refuses: TP 2, micro-batch 2, a CP size that does not divide the
   video tokens, a frame count the VAE cannot take; and a FLUX predictor under a Wan model.json.
 """
+import functools
 import json
 import os
 import subprocess
@@ -21,6 +22,7 @@ import torch
 
 from mm_grpo.families.wan.tiny import TINY_WAN_PREDICTOR, build_tiny_wan
 from tests.fixtures import parallel_1proc  # noqa: F401
+from tests.grpo_helpers import SMOOTH_REWARD
 from tests.ports import free_port
 from tests.test_mindspeed_grpo import _child_env, saved_model, scalars
 from tests.testbed import REPO, TESTBED, require_testbed, subprocess_env
@@ -159,12 +161,18 @@ def _run(tmp_path, name, **variables):
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     """The shipped tiny run (DP 2), one process, CP 2 and PP 2 (model_tiny.json's pipeline_num_layers),
-    from the same weights (each run builds and converts the same seeded tiny pipeline, PP 2 split)."""
+    scored by a smooth reward, from the same weights (each run builds and converts the same seeded tiny pipeline, PP 2 split)."""
     require_testbed(needs_megatron_training=True)
     tmp = tmp_path_factory.mktemp("wan_runs")
-    return {"dp2": _run(tmp, "dp2"), "single": _run(tmp, "single", NPUS_PER_NODE="1", PROMPTS=str(PROMPTS)),
-            "cp2": _run(tmp, "cp2", CP="2", PROMPTS=str(PROMPTS)),
-            "pp2": _run(tmp, "pp2", PP="2", PROMPTS=str(PROMPTS))}
+    # model_tiny.json with a reward without 8-bit steps: the layouts' weights agree to float rounding,
+    # which flips pixels' 8-bit values, JPEG sizes by bytes and motion detections (tests/grpo_helpers.py).
+    with open(TINY_MODEL) as f:
+        smooth = dict(json.load(f), reward=[{"name": "frames", "inner": SMOOTH_REWARD[0], "num_frames": 2}])
+    model_json = tmp / "model_tiny_smooth.json"
+    model_json.write_text(json.dumps(smooth))
+    run = functools.partial(_run, tmp, MODEL_JSON=str(model_json))
+    return {"dp2": run("dp2"), "single": run("single", NPUS_PER_NODE="1", PROMPTS=str(PROMPTS)),
+            "cp2": run("cp2", CP="2", PROMPTS=str(PROMPTS)), "pp2": run("pp2", PP="2", PROMPTS=str(PROMPTS))}
 
 
 def saved_pipeline(run_dir, iteration):

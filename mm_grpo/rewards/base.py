@@ -5,6 +5,7 @@ float32 tensor [B]. Rewards are built from a `RewardConfig` by name; everything 
 be wrong with a config (unknown name, missing or mismatched weights) fails at construction.
 """
 import dataclasses
+import importlib
 import math
 import typing
 from pathlib import Path
@@ -38,6 +39,9 @@ class RewardConfig:
         busy); when they fail too the batch scores NaN and the iteration is skipped.
     model: `vlm_judge` only: the served model's name on the OpenAI-compatible endpoint.
     backbone: `hpsv3` only: the Qwen2-VL folder (config, tokenizer, processor) HPSv3 was trained from.
+    module: a Python module imported before `name` is looked up: where a reward of your own registers
+        itself (`@register_reward(name)` on a `Reward` subclass). Every process that scores imports it,
+        so it must be importable there (installed, or on PYTHONPATH).
     """
 
     name: str
@@ -51,6 +55,7 @@ class RewardConfig:
     retries: NonNegative = 2
     model: Optional[str] = None
     backbone: Optional[str] = None
+    module: Optional[str] = None
 
     @classmethod
     def from_any(cls, cfg, where: str = None):
@@ -62,6 +67,8 @@ class RewardConfig:
             return cfg
         if not isinstance(cfg, dict):
             raise ValueError(f"reward config must be a dict or RewardConfig, got {type(cfg).__name__}")
+        if cfg.get("module") is not None:  # before the name is looked up: the module registers it
+            import_reward_module(cfg["module"], where or f'reward config "{cfg.get("name")}"')
         own = getattr(REWARDS.get(cfg.get("name")), "config_class", cls)  # a reward with fields of its own
         if issubclass(own, cls) and own is not cls:
             return own.from_any(cfg, where)
@@ -88,6 +95,17 @@ class RewardConfig:
         if not (path.is_file() if kind == "file" else path.is_dir()):
             raise FileNotFoundError(f"reward {self.name!r}: {field} {path} is not an existing {kind}")
         return path
+
+
+def import_reward_module(module, where: str):
+    """Imports `module` (a reward config's `module`), refusing in one line naming `where`."""
+    if not isinstance(module, str) or not module:
+        raise ValueError(f"{where}: module must be a Python module name (a string), got {module!r}")
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - any failure of the user's module is reported in one line
+        raise ValueError(f"{where}: module {module!r} cannot be imported ({type(e).__name__}: {one_line(e)}); "
+                         "it must be importable in every process (installed, or on PYTHONPATH)") from None
 
 
 def _reward_fields(config_class) -> list:
@@ -160,6 +178,7 @@ def build_reward(cfg, device="cpu"):
     """Build one reward from a `RewardConfig` or a dict."""
     cfg = RewardConfig.from_any(cfg)
     if cfg.name not in REWARDS:
-        raise ValueError(f"unknown reward {cfg.name!r}; known: {', '.join(sorted(REWARDS))}")
+        where = f" (module {cfg.module!r} registers none by that name)" if cfg.module else ""
+        raise ValueError(f"unknown reward {cfg.name!r}{where}; known: {', '.join(sorted(REWARDS))}")
     cfg.torch_dtype  # validates dtype before any loading
     return REWARDS[cfg.name](cfg, device)

@@ -1,5 +1,6 @@
 """torchrun --nproc_per_node 2 -m tests.distributed.hang_worker MINUTES: rank 1 stops itself (SIGSTOP)
-between two data-parallel reductions, as a hung rank does; rank 0 must time out after MINUTES."""
+between two data-parallel reductions, as a hung rank does; rank 0 must time out after MINUTES (a
+fraction of a minute too: the test waits no longer than it must)."""
 import os
 import signal
 import sys
@@ -13,7 +14,7 @@ from mm_grpo.training.entry import run_entry
 
 
 def main():
-    initialize_parallel(ParallelConfig(), timeout_minutes=int(sys.argv[1]))
+    initialize_parallel(ParallelConfig(), timeout_minutes=float(sys.argv[1]))
     dp_reduce(1.0)  # both ranks in the data-parallel group
     if dist.get_rank() == 1:
         print(f"rank 1 stops at {time.time():.3f}", flush=True)
