@@ -52,6 +52,7 @@ from bench.bench_grpo import matmul_throughput
 from bench.flops import flux_flops, grpo_iteration_flops
 from bench.grpo_setup import PROMPTS, Preset, optimizer_args
 from mm_grpo.families.flux.transformer.latents import num_image_tokens
+from mm_grpo.recompute import EVERY_BLOCK, recompute_fields
 
 # FLUX.1's AutoencoderKL (the vae/config.json of black-forest-labs/FLUX.1-dev).
 FLUX_VAE_CONFIG = dict(
@@ -227,7 +228,7 @@ def run_size(run: Run, size: int, micro_batch: int, iteration: int, warmup: bool
     from mm_grpo.training.train_grpo import grpo_iteration
     args, device = run.args, run.platform.device
     preset = Preset(f"{args.model}-{size}", None, size, size, args.text_tokens, args.num_generations, 1,
-                    args.num_inference_steps, micro_batch, bf16=run.config.bf16, recompute=run.config.recompute_blocks)
+                    args.num_inference_steps, micro_batch, bf16=run.config.bf16, recompute=run.config.recompute is not None)
     reward = trainer_components.grpo_reward(run.blocks, PROMPTS, device)
     schedule = trainer_components.grpo_schedule(preset.settings(), run.chunks, run.blocks, reward, device, preset.dtype,
                                                 FluxGuidance())
@@ -281,7 +282,7 @@ def summary(run: Run, preset: Preset, timed: list, runs: list) -> dict:
                    mfu_rollout=flops.rollout / (row["rollout"] * rate), mfu_train=flops.train / (row["train"] * rate))
     if args.model != "tiny" and not args.depth:  # the planner knows the whole model only
         row["plan"] = planned(args.model, preset.height, preset.micro_batch_size, args.lora_rank, args.text_tokens,
-                              run.config.recompute_blocks, run.config.compile_blocks, plan_device(run.platform), rate)
+                              run.config.recompute is not None, run.config.compile_blocks, plan_device(run.platform), rate)
     return row
 
 
@@ -663,7 +664,7 @@ class Anchors:
             with torch.no_grad():
                 model(**x.kwargs())
 
-        def forward_backward():  # the block inputs kept, each block's forward recomputed (recompute_blocks)
+        def forward_backward():  # the block inputs kept, each block's forward recomputed (EVERY_BLOCK)
             h = x.hidden_states.clone().requires_grad_(True)
             out = model(**x.kwargs(hidden_states=h))
             torch.autograd.grad(out, h, self.grad_output.to(out.dtype))
@@ -788,10 +789,10 @@ def main(argv=None):
         use_compile_backend(args.compile_backend)
     depth = dict(num_layers=args.depth[0], num_single_layers=args.depth[1]) if args.depth else {}
     if args.anchors:
-        config = FluxConfig.preset(args.model, bf16=not args.no_bf16, recompute_blocks=not args.no_recompute, **depth)
+        config = FluxConfig.preset(args.model, bf16=not args.no_bf16, **recompute_fields(None if args.no_recompute else EVERY_BLOCK), **depth)
         run_anchors(args, platform, config)
         return
-    config = FluxConfig.preset(args.model, bf16=not args.no_bf16, recompute_blocks=not args.no_recompute,
+    config = FluxConfig.preset(args.model, bf16=not args.no_bf16, **recompute_fields(None if args.no_recompute else EVERY_BLOCK),
                                compile_blocks=args.compile, **depth)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,7 @@ from bench.grpo_setup import PROMPTS, Preset, optimizer_args
 from mm_grpo.families.qwen_image.denoiser import NEGATIVE_PROMPT, TRUE_CFG_SCALE, token_grid
 from mm_grpo.families.qwen_image.plan import TEXT_TOKENS
 from mm_grpo.families.qwen_image.transformer.config import QwenImageConfig
+from mm_grpo.recompute import EVERY_BLOCK, recompute_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +147,7 @@ class Anchors:
         self.device = platform.device
         self.bf16 = platform.name != "cpu"
         self.dtype = torch.bfloat16 if self.bf16 else torch.float32
-        self.config = size.config.replace(bf16=self.bf16, recompute_blocks=True)
+        self.config = size.config.replace(bf16=self.bf16, **recompute_fields(EVERY_BLOCK))
         self.inputs = call_inputs(self.config, size.batch, size.height, size.text_tokens, self.device,
                                   INPUT_SEEDS["timed"])
         self.numerics = call_inputs(self.config, NUMERICS_BATCH, size.height, size.text_tokens, self.device,
@@ -326,7 +327,7 @@ class Anchors:
             with torch.no_grad():
                 model(**self.inputs)
 
-        def forward_backward():  # the block inputs kept, each block's forward recomputed (recompute_blocks)
+        def forward_backward():  # the block inputs kept, each block's forward recomputed (EVERY_BLOCK)
             h = self.inputs["hidden_states"].clone().requires_grad_(True)
             out = model(**dict(self.inputs, hidden_states=h))
             torch.autograd.grad(out, h, self.grad_output.to(out.dtype))
@@ -434,7 +435,7 @@ def run_grpo(args, platform, size: Size) -> dict:
     from mm_grpo.training.train_grpo import grpo_iteration
     from mm_grpo.training.trainable import attach_lora, optimize
     bf16 = platform.name != "cpu"
-    config = size.config.replace(bf16=bf16, recompute_blocks=True)
+    config = size.config.replace(bf16=bf16, **recompute_fields(EVERY_BLOCK))
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     paths = write_frozen_parts(config, size, workdir)

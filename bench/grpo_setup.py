@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from mm_grpo.recompute import EVERY_BLOCK, recompute_fields
 from mm_grpo.seeding import DEFAULT_SEED
 
 PROMPTS = ["a red circle on a white background", "a blue square on a black background",
@@ -150,7 +151,7 @@ def build_mm_grpo(preset: Preset, paths: dict, device, schedule_cls=None, lora_c
     from mm_grpo.training.train_grpo import grpo_iteration
     from mm_grpo.training.trainable import attach_lora, optimize
     initialize_parallel(ParallelConfig(), seed=DEFAULT_SEED)
-    config = FluxConfig.from_diffusers_config(paths["transformer"], bf16=preset.bf16, recompute_blocks=preset.recompute,
+    config = FluxConfig.from_diffusers_config(paths["transformer"], bf16=preset.bf16, **recompute_fields(EVERY_BLOCK if preset.recompute else None),
                                              compile_blocks=preset.compile)
     chunks = [chunk.to(device) for chunk in build_model_chunks(config)]
     load_pretrained(chunks, paths["transformer"])

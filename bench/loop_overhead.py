@@ -37,6 +37,8 @@ from typing import Callable, Dict, List
 
 import torch
 
+from mm_grpo.recompute import EVERY_BLOCK, recompute_fields
+
 MODELS = {  # FluxConfig preset, overrides, default (image side, G = batch, text tokens, steps)
     # FLUX.1-dev at its real shapes: the measurement (one H200, 12 x 512 px, 512 text tokens)
     "flux-dev": ("flux-dev", {}, (512, 12, 512, 16)),
@@ -102,7 +104,7 @@ class Setup:
         if args.depth:
             overrides = dict(overrides, num_layers=args.depth[0], num_single_layers=args.depth[1])
         initialize_parallel(ParallelConfig(), seed=DEFAULT_SEED)
-        self.config = FluxConfig.preset(preset, bf16=bf16, recompute_blocks=not args.no_recompute, **overrides)
+        self.config = FluxConfig.preset(preset, bf16=bf16, **recompute_fields(None if args.no_recompute else EVERY_BLOCK), **overrides)
         self.chunks = [chunk.to(device) for chunk in build_model_chunks(self.config)]
         if args.lora_rank:
             attach_lora(self.chunks, lora.LoRAConfig(r=args.lora_rank, alpha=args.lora_rank), DEFAULT_SEED, bf16)
@@ -359,7 +361,7 @@ def main(argv=None):
     setup = Setup(args)
     result = dict(model=args.model, device=str(setup.device), size=setup.size, batch=setup.batch,
                   micro_batch=setup.micro_batch, text_tokens=setup.text_tokens, steps=setup.steps,
-                  lora_rank=args.lora_rank, bf16=setup.config.bf16, recompute=setup.config.recompute_blocks,
+                  lora_rank=args.lora_rank, bf16=setup.config.bf16, recompute=setup.config.recompute is not None,
                   threads=torch.get_num_threads(), torch=torch.__version__,
                   clock="wall" if setup.clock is time.perf_counter else "process CPU time")
     full = args.model == "flux-dev"

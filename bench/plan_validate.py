@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mm_grpo  # noqa: E402,F401  (platform first)
 from bench.grpo_setup import PRESETS, PROMPTS, default_workdir, prepare  # noqa: E402
+from mm_grpo.recompute import EVERY_BLOCK_FLAGS  # noqa: E402
 
 MiB = 2 ** 20
 LORA_RANK = 8
@@ -40,17 +41,17 @@ LORA = ["--lora-target-modules", "linear_qkv", "linear_proj", "linear_fc1", "lin
         "--lora-r", str(LORA_RANK)]
 # name: (tp, pp, sp, extra trainer flags). dp = world size / (tp pp sp).
 LAYOUTS = {
-    "single": (1, 1, 1, []), "single-recompute": (1, 1, 1, ["--recompute-activations"]),
+    "single": (1, 1, 1, []), "single-recompute": (1, 1, 1, [*EVERY_BLOCK_FLAGS]),
     "dp2": (1, 1, 1, []), "tp2": (2, 1, 1, []), "sp2": (1, 1, 2, []), "pp2": (1, 2, 1, []),
     "dp2-distopt": (1, 1, 1, ["--use-distributed-optimizer"]),
     "dp4": (1, 1, 1, []), "tp2xdp2": (2, 1, 1, []), "sp2xdp2": (1, 1, 2, []), "tp2xpp2": (2, 2, 1, []),
-    "pp2xsp2": (1, 2, 2, []), "pp2xdp2-recompute": (1, 2, 1, ["--recompute-activations"]),
+    "pp2xsp2": (1, 2, 2, []), "pp2xdp2-recompute": (1, 2, 1, [*EVERY_BLOCK_FLAGS]),
     "single-lora": (1, 1, 1, LORA), "single-lora-kl": (1, 1, 1, LORA + ["--kl-beta", "0.01"]),
     "dp2-lora": (1, 1, 1, LORA), "tp2-lora": (2, 1, 1, LORA),
     # --bf16 (the model computes in bf16; with LoRA the frozen base is held in bf16)
-    "single-bf16": (1, 1, 1, ["--bf16"]), "single-bf16-recompute": (1, 1, 1, ["--bf16", "--recompute-activations"]),
+    "single-bf16": (1, 1, 1, ["--bf16"]), "single-bf16-recompute": (1, 1, 1, ["--bf16", *EVERY_BLOCK_FLAGS]),
     "single-lora-bf16": (1, 1, 1, LORA + ["--bf16"]),
-    "single-lora-bf16-recompute": (1, 1, 1, LORA + ["--bf16", "--recompute-activations"]),
+    "single-lora-bf16-recompute": (1, 1, 1, LORA + ["--bf16", *EVERY_BLOCK_FLAGS]),
 }
 WORLD = {"single": 1, "single-recompute": 1, "dp2": 2, "tp2": 2, "sp2": 2, "pp2": 2, "dp2-distopt": 2,
          "single-lora": 1, "single-lora-kl": 1, "dp2-lora": 2, "tp2-lora": 2, "single-bf16": 1,
@@ -159,7 +160,7 @@ def job_of(preset, steps, mbs, extra):
     return Job(height=preset.height, width=preset.width, text_tokens=preset.text_tokens,
                num_generations=preset.num_generations, prompts_per_iteration=preset.prompts_per_iteration,
                num_inference_steps=steps, timestep_fraction=preset.timestep_fraction, micro_batch_size=mbs,
-               recompute="--recompute-activations" in extra, lora_rank=LORA_RANK if "--lora-r" in extra else 0,
+               recompute=EVERY_BLOCK_FLAGS[0] in extra, lora_rank=LORA_RANK if "--lora-r" in extra else 0,
                kl_reference="--kl-beta" in extra,
                distributed_optimizer="--use-distributed-optimizer" in extra, bf16="--bf16" in extra,
                param_dtype="fp32")

@@ -13,7 +13,7 @@ recompiles. The resumed run reuses those graphs.
 PPO's ratio on the first micro-batch: the rollout runs the blocks' no-grad graphs and the training
 their training graphs, two inductor compiles of the same block. In fp32 on the CPU they agree bit
 for bit and the ratio is exactly 1, as in eager (asserted below). Under --bf16 (with or without
---recompute-activations, full or LoRA) they do not: the first micro-batch's ratio was 0.99925 to
+every block recomputed, full or LoRA) they do not: the first micro-batch's ratio was 0.99925 to
 1.00098 over 3 iterations of this tiny run on the CPU, 10x DanceGRPO's clip range of 1e-4 (inductor
 fuses torch.addcmul, modulate's and gated_residual's, without the bf16 rounding eager does, and
 rounds its output where a graph stores it: the training graph stores more); on an H200 at FLUX.1-dev
@@ -30,6 +30,7 @@ from converters.convert_cli import main as convert
 from mm_grpo.families.flux.transformer import lora
 from mm_grpo.families.flux.transformer.lora_hf import LORA_FILE, read_diffusers_lora
 from mm_grpo.platform.adaptor import torch_compile_replaced
+from mm_grpo.recompute import EVERY_BLOCK_FLAGS
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.grpo_helpers import ADAM_LINEAR, SMOOTH_REWARD, grpo_argv, run_grpo, write_configs
 from tests.utils import assert_one_line_error
@@ -125,12 +126,12 @@ def test_compiled_run_trains_as_eager_resumes_exactly_and_exports_its_lora(paral
 
 
 def test_compiled_bf16_run_with_recompute_resumes_exactly(parallel_1proc, configs, tmp_path):
-    """--compile-blocks with --bf16 and --recompute-activations (LoRA over the frozen bf16 base): the
+    """--compile-blocks with --bf16 and every block recomputed (LoRA over the frozen bf16 base): the
     run saved at 1 and resumed repeats the uninterrupted one bit for bit. Its first micro-batch's ratio
     is not exactly 1 (the module docstring): within twice the worst measured on the CPU (9.8e-4)."""
     if torch_compile_replaced():
         pytest.skip("torch.compile compiles nothing here (MindSpeed's adaptor): the refusal is tested above")
-    extra = COMPILED + ["--bf16", "--recompute-activations"]
+    extra = COMPILED + ["--bf16", *EVERY_BLOCK_FLAGS]
     ckpt = tmp_path / "ckpt"
     torch._dynamo.reset()
     try:

@@ -7,8 +7,9 @@ import torch
 from mm_grpo.families.flux.transformer import FluxConfig, FluxTransformer
 from mm_grpo.families.flux.transformer.hf_weights import load_hf_weights
 from mm_grpo.families.flux.transformer.model import check_parallel_sizes
+from mm_grpo.recompute import EVERY_BLOCK, Recompute, recompute_fields
 from tests.fixtures import parallel_1proc  # noqa: F401
-from tests.utils import (assert_one_line_error, hf_grads_as_megatron, make_inputs, random_reference, reference_output,
+from tests.utils import (assert_one_line_error, count_block_forwards, hf_grads_as_megatron, make_inputs, random_reference, reference_output,
                          rel_err)
 
 TOL = 1e-5
@@ -50,16 +51,28 @@ def test_gradients_match_diffusers(parallel_1proc):
     assert errs[worst] <= TOL, worst
 
 
-def test_activation_checkpointing_gives_identical_gradients(parallel_1proc):
+@pytest.mark.parametrize("recompute", [EVERY_BLOCK, Recompute("uniform", 4), Recompute("block", 3)],
+                         ids=["uniform1", "uniform4", "block3"])
+def test_recompute_gives_identical_gradients_and_reruns_the_blocks_megatron_names(parallel_1proc, recompute):
+    """Megatron's full recompute over the 2 double- and 4 single-stream blocks (one chunk): the loss and
+    every gradient bit for bit as without it, and the blocks Megatron's method names run their forward
+    again in the backward: uniform, all of them (in groups of N); block 3, the first three only."""
     ref = random_reference(TINY, seed=2)
     inputs = make_inputs(TINY)
-    grads = []
-    for recompute in (False, True):
-        model = _model(TINY.replace(recompute_blocks=recompute), ref)
-        model(**inputs).square().sum().backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    for name, g in grads[0].items():
-        assert torch.equal(g, grads[1][name]), name
+    runs = []
+    for config in (TINY, TINY.replace(**recompute_fields(recompute))):
+        model = _model(config, ref)
+        calls = count_block_forwards([*model.double_blocks, *model.single_blocks])
+        loss = model(**inputs).square().sum()
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, list(calls)))
+    (plain_loss, plain, plain_calls), (loss, grads, calls) = runs
+    assert torch.equal(plain_loss, loss)
+    for name, g in plain.items():
+        assert torch.equal(g, grads[name]), name
+    assert plain_calls == [1] * 6
+    assert calls == {"uniform1": [2] * 6, "uniform4": [2] * 6, "block3": [2, 2, 2, 1, 1, 1]}[
+        f"{recompute.method}{recompute.num_layers}"]
 
 
 def test_compiled_blocks_match_eager_and_share_their_code(parallel_1proc):
@@ -80,7 +93,7 @@ def test_compiled_blocks_match_eager_and_share_their_code(parallel_1proc):
     ref = random_reference(TINY, seed=6)
     inputs = make_inputs(TINY, batch=2, height=3, width=4, txt_len=5)
     results, models = [], []
-    for config in (TINY, TINY.replace(compile_blocks=True), TINY.replace(compile_blocks=True, recompute_blocks=True)):
+    for config in (TINY, TINY.replace(compile_blocks=True), TINY.replace(compile_blocks=True, **recompute_fields(EVERY_BLOCK))):
         model = _model(config, ref)
         out = model(**inputs)
         out.square().sum().backward()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mm_grpo.families.flux.chunks import forward_backward, make_velocity_fn
+from mm_grpo.recompute import EVERY_BLOCK_FLAGS
 from mm_grpo.rollout import rollout
 from mm_grpo.training.loop import optimizer_step
 from tests.fixtures import parallel_1proc  # noqa: F401
@@ -98,10 +99,10 @@ def test_resume_repeats_the_uninterrupted_run_exactly(parallel_1proc, configs, t
 
 def test_full_fine_tuning_in_bf16_with_recompute_stays_on_policy_and_resumes_exactly(parallel_1proc, configs,
                                                                                    tmp_path):
-    """Full fine-tuning under --bf16 with --recompute-activations (on CPU, one TP rank): the weights stay
+    """Full fine-tuning under --bf16 with every block recomputed (on CPU, one TP rank): the weights stay
     the optimizer's fp32 masters and are cast for each call, the first micro-batch's ratio is exactly 1,
     and a run saved at 2 and resumed repeats the uninterrupted one bit for bit."""
-    extra = ["--bf16", "--recompute-activations"]
+    extra = ["--bf16", *EVERY_BLOCK_FLAGS]
     full, run_full = run_grpo(grpo_argv(*configs, iters=4, extra=extra))
     assert {p.dtype for p in run_full.model.modules[0].parameters()} == {torch.float32}
     assert all(h["ratio_first_mb_min"] == h["ratio_first_mb_max"] == 1.0 for h in full)

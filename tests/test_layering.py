@@ -120,7 +120,8 @@ CORE_UNITS = ("mm_grpo/grpo", "mm_grpo/rollout", "mm_grpo/flow")
 # import them; its loop, loop.py, and whatever the loop imports, its checkpoints included, may not).
 SHARED_UNITS = CORE_UNITS + ("mm_grpo/parallel", "mm_grpo/checkpoint", "mm_grpo/plan", "mm_grpo/rewards", "mm_grpo/files",
                              "mm_grpo/settings.py", "mm_grpo/seeding.py", "mm_grpo/configs.py", "mm_grpo/data",
-                             "mm_grpo/kernels.py", "mm_grpo/platform", "mm_grpo/tiny", "mm_grpo/versions.py")
+                             "mm_grpo/kernels.py", "mm_grpo/platform", "mm_grpo/tiny", "mm_grpo/versions.py",
+                             "mm_grpo/recompute.py")
 SHARED_MODULES = ("mm_grpo.training.loop",)
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mm_grpo.families.flux.transformer import lora
+from mm_grpo.recompute import EVERY_BLOCK_FLAGS
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.grpo_helpers import (SMOOTH_REWARD, flow_argv, grpo_argv, run_flow, run_grpo, write_configs,
                                 write_flow_configs)
@@ -89,7 +90,7 @@ def test_bf16_lora_run_stays_on_policy_finite_and_resumes_exactly(parallel_1proc
     frozen base's matrices and biases in bf16, recompute. The training recomputation of the first micro-batch
     gives the rollout's log-probs exactly (ratio 1), 20 iterations stay finite, and a run saved at 2
     and resumed repeats the uninterrupted one bit for bit."""
-    extra = LORA + ["--bf16", "--recompute-activations"]
+    extra = LORA + ["--bf16", *EVERY_BLOCK_FLAGS]
     full, run_full = run_grpo(grpo_argv(*configs, iters=20, extra=extra))
     assert all(h["ratio_first_mb_min"] == h["ratio_first_mb_max"] == 1.0 for h in full)
     assert all(math.isfinite(v) for h in full for v in h.values() if isinstance(v, float))

@@ -18,6 +18,7 @@ from mm_grpo.families.flux.transformer.hf_weights import load_hf_weights
 from mm_grpo.families.flux.transformer.latents import pack_latents, prepare_latent_image_ids
 from mm_grpo.files.jsonfile import load_json
 from mm_grpo.flow.matching import flow_matching_loss
+from mm_grpo.recompute import recompute_fields
 from mm_grpo.tools.write_features import main as write_features
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.ports import free_port
@@ -114,7 +115,7 @@ def test_pretrain_flux_sh_as_shipped_trains_on_written_features(tiny_pipeline_di
         block.update({k: sizes[k] for k in shipped & set(sizes)}, dtype="fp32", text_len=text_len,
                      num_layers=tiny.num_blocks, pipeline_num_layers=[tiny.num_blocks // 2] * 2,
                      from_pretrained=str(transformer / "diffusion_pytorch_model.safetensors"))
-        assert set(block) == shipped and flux_config_from_block(block).replace(recompute_blocks=False) == tiny
+        assert set(block) == shipped and flux_config_from_block(block).replace(**recompute_fields(None)) == tiny
 
     def tiny_data(data):
         data["dataset_param"]["basic_parameters"] = {"data_path": str(tmp_path / "features" / "data.jsonl"),

@@ -11,6 +11,7 @@ import torch
 from mm_grpo.data.image_captions import ImageCaptionDataset
 from mm_grpo.families.qwen_image.chunks import forward_backward
 from mm_grpo.families.qwen_image.vae import encode_latents, load_vae
+from mm_grpo.recompute import EVERY_BLOCK_FLAGS
 from mm_grpo.training.loop import optimizer_step
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.grpo_helpers import flow_argv, run_flow, write_flow_configs
@@ -70,7 +71,7 @@ def test_cached_features_train_as_the_encoder_does(parallel_1proc, configs):
 
 
 # The trainer's speed / memory flags for Qwen-Image, each through train, save and exact resume.
-FLAGS = {"plain": [], "recompute": ["--recompute-activations"], "bf16": ["--bf16"],
+FLAGS = {"plain": [], "recompute": EVERY_BLOCK_FLAGS, "bf16": ["--bf16"],
          "lora": ["--lora-target-modules", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "--lora-r", "4",
                   "--lora-alpha", "4"]}
 

@@ -9,9 +9,10 @@ import torch
 
 from mm_grpo.families.qwen_image.transformer import QwenImageConfig, QwenImageTransformer
 from mm_grpo.families.qwen_image.transformer.hf_weights import load_hf_weights
+from mm_grpo.recompute import EVERY_BLOCK, Recompute, recompute_fields
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.qwen_image_utils import TINY, hf_grads_as_megatron, make_inputs, random_reference, reference_output
-from tests.utils import assert_one_line_error, rel_err
+from tests.utils import assert_one_line_error, count_block_forwards, rel_err
 
 TOL = 1e-5
 # Another shape of head: 2 heads of 24 channels, rope axes (4, 10, 10), 3 blocks.
@@ -72,17 +73,27 @@ def test_the_padding_of_a_short_prompt_changes_nothing(parallel_1proc):
     assert model._rope_cache[0] == (((1, 3, 3),), 2, torch.device("cpu"))
 
 
-def test_activation_checkpointing_gives_identical_gradients(parallel_1proc):
+@pytest.mark.parametrize("recompute", [EVERY_BLOCK, Recompute("uniform", 2), Recompute("block", 1)],
+                         ids=["uniform1", "uniform2", "block1"])
+def test_recompute_gives_identical_gradients_and_reruns_the_blocks_megatron_names(parallel_1proc, recompute):
+    """Megatron's full recompute (tests/test_flux_model.py's test, on Qwen-Image's blocks)."""
     ref = random_reference(TINY, seed=2)
     inputs = make_inputs(TINY)
-    grads = []
-    for recompute in (False, True):
-        model = _model(TINY.replace(recompute_blocks=recompute), ref)
-        model(**inputs).square().sum().backward()
-        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
-    assert grads[0].keys() == grads[1].keys()
-    for name, g in grads[0].items():
-        assert torch.equal(g, grads[1][name]), name
+    runs = []
+    for config in (TINY, TINY.replace(**recompute_fields(recompute))):
+        model = _model(config, ref)
+        calls = count_block_forwards(model.blocks)
+        loss = model(**inputs).square().sum()
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+                     list(calls)))
+    (plain_loss, plain, plain_calls), (loss, grads, calls) = runs
+    assert torch.equal(plain_loss, loss) and plain.keys() == grads.keys()
+    for name, g in plain.items():
+        assert torch.equal(g, grads[name]), name
+    n = TINY.num_layers
+    assert n >= 2 and plain_calls == [1] * n
+    assert calls == ([2] * n if recompute.method == "uniform" else [2] + [1] * (n - 1))
 
 
 def test_bf16_stays_close_and_rope_stays_fp32(parallel_1proc):

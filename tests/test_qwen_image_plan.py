@@ -17,6 +17,7 @@ from mm_grpo.families.qwen_image import plan as q
 from mm_grpo.families.qwen_image.transformer import QwenImageConfig
 from mm_grpo.plan.devices import device
 from mm_grpo.plan.formulas import Layout
+from mm_grpo.recompute import EVERY_BLOCK, recompute_fields
 from mm_grpo.tools.plan import main
 from tests.fixtures import parallel_1proc  # noqa: F401
 
@@ -258,7 +259,7 @@ def test_training_and_rollout_peaks_within_10_percent(parallel_1proc, bf16, lora
     trainer's main gradients are) against activations_at_peak + recompute_bytes +
     backward_working_bytes, and of its rollout velocity against rollout_forward_working_bytes."""
     from mm_grpo.families.qwen_image.denoiser import QwenImageDenoiser
-    config = MID.replace(bf16=bf16, recompute_blocks=recompute)
+    config = MID.replace(bf16=bf16, **recompute_fields(EVERY_BLOCK if recompute else None))
     model = _model(config)
     if lora_rank:
         add_lora(model, lora_rank, bf16)

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from mm_grpo.recompute import EVERY_BLOCK_FLAGS
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.grpo_helpers import grpo_argv, run_grpo, write_configs
 from tests.utils import assert_one_line_error
@@ -71,9 +72,9 @@ def test_lora_with_an_ema_old_policy_resumes_exactly(parallel_1proc, configs, tm
 
 
 def test_full_fine_tuning_resumes_exactly(parallel_1proc, configs, tmp_path):
-    full, run_full = run_grpo(grpo_argv(*configs, iters=2, extra=["--recompute-activations"]))
-    first, _ = run_grpo(grpo_argv(*configs, iters=1, extra=["--recompute-activations", "--save", str(tmp_path / "c")]))
-    second, run_resumed = run_grpo(grpo_argv(*configs, iters=2, extra=["--recompute-activations",
+    full, run_full = run_grpo(grpo_argv(*configs, iters=2, extra=EVERY_BLOCK_FLAGS))
+    first, _ = run_grpo(grpo_argv(*configs, iters=1, extra=[*EVERY_BLOCK_FLAGS, "--save", str(tmp_path / "c")]))
+    second, run_resumed = run_grpo(grpo_argv(*configs, iters=2, extra=[*EVERY_BLOCK_FLAGS,
                                                                          "--load", str(tmp_path / "c")]))
     assert [h["loss"] for h in first + second] == [h["loss"] for h in full]
     a, b = _weights(run_full), _weights(run_resumed)

@@ -18,6 +18,7 @@ from mm_grpo.families.flux.mindspeed_mm import FluxPredictor
 from mm_grpo.families.flux.predictor_block import flux_config_from_block
 from mm_grpo.families.flux.transformer import FluxConfig
 from mm_grpo.mindspeed_mm.registry import MODEL_REGISTRY, build_model
+from mm_grpo.recompute import EVERY_BLOCK, recompute_fields
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.testbed import REPO, require_testbed, subprocess_env
 from tests.utils import assert_one_line_error, make_inputs, random_reference, reference_output, rel_err
@@ -93,7 +94,7 @@ def test_with_pipeline_num_layers_num_layers_counts_all_blocks():
 def test_shipped_mindspeed_mm_config_is_flux_dev():
     from mm_grpo.files.jsonfile import load_json
     block = load_json(os.path.join(REPO, "examples/flux/mindspeed_mm/pretrain_model.json"), "model.json")["predictor"]
-    assert flux_config_from_block(block) == FluxConfig.preset("flux-dev", bf16=True, recompute_blocks=True)
+    assert flux_config_from_block(block) == FluxConfig.preset("flux-dev", bf16=True, **recompute_fields(EVERY_BLOCK))
 
 
 def test_from_pretrained_must_be_one_file(parallel_1proc, tmp_path):

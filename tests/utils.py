@@ -150,3 +150,13 @@ def gather_adapter_state(chunks):
     parts = [None] * ps.get_pipeline_model_parallel_world_size()
     dist.all_gather_object(parts, local, group=ps.get_pipeline_model_parallel_group())
     return {k: v for part in parts for k, v in part.items()}
+
+
+def count_block_forwards(blocks):
+    """A list whose i-th entry counts the forward calls of blocks[i] from now on: a block recomputed in the
+    backward is called twice per forward + backward. A pre-hook: the recompute may stop inside the block
+    once it has what the backward needs (torch's checkpoint early stop), so a forward hook can miss it."""
+    calls = [0] * len(blocks)
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    return calls

@@ -35,6 +35,9 @@
 #   EVAL_SAMPLES EVAL_SEED  the CPU demo's fixed noises per held-out prompt and their seed (64 and 1:
 #                  the reporting half; tuning: EVAL_PROMPT_FILE=.../eval_objects_tuning.txt EVAL_SEED=0)
 #   IMAGE_INTERVAL a grid of held-out samples every IMAGE_INTERVAL iterations (RUN_DIR/samples)
+#   RECOMPUTE_METHOD RECOMPUTE_LAYERS  Megatron's full recompute on an accelerator (--recompute-granularity
+#                  full --recompute-method uniform|block --recompute-num-layers N; default uniform 1: every
+#                  block; block N: the first N blocks of each stage, the others keep their activations)
 #   SAVE_INTERVAL LOG_INTERVAL     checkpoint and log intervals in iterations
 #   EXIT_SIGNAL_HANDLER  1 (default): SIGTERM or Ctrl-C to this script saves the iteration in progress, then
 #                  ends the job (--exit-signal-handler; a second signal ends it at once; the script exits 143 /
@@ -101,7 +104,8 @@ GPT_ARGS="--tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP \
   --context-parallel-size $CP --context-parallel-algo ulysses_cp_algo \
   --micro-batch-size $MBS --train-iters $ITERS --seed $SEED \
   --lr $LR --weight-decay 1e-4 --adam-beta1 0.9 --adam-beta2 0.999 --clip-grad 1.0"
-[ "$DEVICE" = "cpu" ] || GPT_ARGS="$GPT_ARGS --bf16 --recompute-activations"
+[ "$DEVICE" = "cpu" ] || GPT_ARGS="$GPT_ARGS --bf16 --recompute-granularity full \
+  --recompute-method ${RECOMPUTE_METHOD:-uniform} --recompute-num-layers ${RECOMPUTE_LAYERS:-1}"
 MM_ARGS="--mm-model ${MODEL_JSON:-$SCRIPT_DIR/model.json} --mm-data ${DATA_JSON:-$SCRIPT_DIR/data.json}"
 GRPO_ARGS="--prompts-per-iteration $PROMPTS --num-generations $G --num-inference-steps $STEPS --sampler ${SAMPLER:-dance_sde} --policy-loss ${POLICY_LOSS:-ppo} \
   --timestep-selection ${TIMESTEPS:-random} --timestep-fraction ${TIMESTEP_FRACTION:-0.6} --clip-range ${CLIP:-1e-4} \

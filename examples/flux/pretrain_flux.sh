@@ -20,6 +20,9 @@
 #                                   iterations, sigma shift (default: FLUX's resolution rule)
 #   DECAY WD SEED GUIDANCE          lr decay style (constant), weight decay (1e-4), seed (1234),
 #                                   guidance embedding value (3.5)
+#   RECOMPUTE_METHOD RECOMPUTE_LAYERS  Megatron's full recompute on an accelerator (--recompute-granularity
+#                  full --recompute-method uniform|block --recompute-num-layers N; default uniform 1: every
+#                  block; block N: the first N blocks of each stage, the others keep their activations)
 #   SAVE_INTERVAL LOG_INTERVAL      checkpoint (500) and log (50) intervals in iterations
 #   EXIT_SIGNAL_HANDLER  1 (default): SIGTERM or Ctrl-C to this script saves the iteration in progress, then
 #                  ends the job (--exit-signal-handler; the script exits 143 / 130); 0: ends it at once
@@ -60,7 +63,8 @@ GPT_ARGS="--tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP \
   --micro-batch-size $MBS --global-batch-size $GBS --train-iters $ITERS --seed $SEED \
   --lr $LR --lr-warmup-iters $WARMUP --lr-decay-style ${DECAY:-constant} --weight-decay ${WD:-1e-4} \
   --adam-beta1 0.9 --adam-beta2 0.999 --clip-grad 1.0"
-[ "$DEVICE" = "cpu" ] || GPT_ARGS="$GPT_ARGS --bf16 --recompute-activations"
+[ "$DEVICE" = "cpu" ] || GPT_ARGS="$GPT_ARGS --bf16 --recompute-granularity full \
+  --recompute-method ${RECOMPUTE_METHOD:-uniform} --recompute-num-layers ${RECOMPUTE_LAYERS:-1}"
 MM_ARGS="--mm-model ${MODEL_JSON:-$SCRIPT_DIR/model_flow.json} --mm-data ${DATA_JSON:-$SCRIPT_DIR/data_flow.json}"
 FLOW_ARGS="--weighting-scheme logit_normal --guidance-scale ${GUIDANCE:-3.5}"
 [ -n "${SHIFT:-}" ] && FLOW_ARGS="$FLOW_ARGS --flow-shift $SHIFT"

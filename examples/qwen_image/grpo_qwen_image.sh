@@ -20,6 +20,9 @@
 #   SAMPLER POLICY_LOSS TIMESTEP_FRACTION CLIP KL_BETA SAME_NOISE EMA_DECAY EMA_DECAY_RAMP  as in
 #                  examples/flux/grpo_flux.sh; EVAL_SAMPLES EVAL_SEED: the CPU demo's fixed noises (64, seed 1)
 #   LORA_R         LoRA rank on the recommended targets (default 64 on an accelerator; 0: full fine-tuning)
+#   RECOMPUTE_METHOD RECOMPUTE_LAYERS  Megatron's full recompute on an accelerator (--recompute-granularity
+#                  full --recompute-method uniform|block --recompute-num-layers N; default uniform 1: every
+#                  block; block N: the first N blocks of each stage, the others keep their activations)
 #   SAVE_INTERVAL LOG_INTERVAL EVAL_INTERVAL EVAL_PROMPTS IMAGE_INTERVAL   as in grpo_flux.sh
 #   EXIT_SIGNAL_HANDLER  1 (default): SIGTERM or Ctrl-C saves the iteration in progress, then ends the job
 #   RUN_DIR        output folder (train.log, TensorBoard logs, checkpoints, image grids)
@@ -78,7 +81,8 @@ GPT_ARGS="--tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP \
   --context-parallel-size $CP --context-parallel-algo ulysses_cp_algo \
   --micro-batch-size $MBS --train-iters $ITERS --seed $SEED \
   --lr $LR --weight-decay 1e-4 --adam-beta1 0.9 --adam-beta2 0.999 --clip-grad 1.0"
-[ "$DEVICE" = "cpu" ] || GPT_ARGS="$GPT_ARGS --bf16 --recompute-activations"
+[ "$DEVICE" = "cpu" ] || GPT_ARGS="$GPT_ARGS --bf16 --recompute-granularity full \
+  --recompute-method ${RECOMPUTE_METHOD:-uniform} --recompute-num-layers ${RECOMPUTE_LAYERS:-1}"
 [ "$LORA_R" = 0 ] || GPT_ARGS="$GPT_ARGS --lora-target-modules linear_qkv linear_proj linear_fc1 linear_fc2 \
   --lora-r $LORA_R --lora-alpha $LORA_R"
 MM_ARGS="--mm-model ${MODEL_JSON:-$SCRIPT_DIR/model.json} --mm-data ${DATA_JSON:-$SCRIPT_DIR/data.json}"

@@ -13,6 +13,7 @@ from mm_grpo.files.jsonfile import load_json
 from mm_grpo.grpo.denoiser import NegativePrompt
 from mm_grpo.grpo.hyperparameters import GRPOSettings
 from mm_grpo.parallel.ulysses import ULYSSES_CP_ALGO
+from mm_grpo.recompute import METHODS, recompute_from_flags
 from mm_grpo.seeding import DEFAULT_SEED
 from mm_grpo.settings import accept_negative_numbers, add_setting_args, check_bounds, from_args, setting
 from mm_grpo.training import components
@@ -64,7 +65,18 @@ class TrainingArgs:
     train_iters: int = setting(None, "iterations to train", required=True, minimum=0)
     seed: int = setting(DEFAULT_SEED, "seed of every random stream (Megatron's default)")
     bf16: bool = setting(False, "bf16 compute with fp32 master weights")
-    recompute_activations: bool = setting(False, "activation checkpointing, one FLUX block at a time")
+    recompute_granularity: Optional[str] = setting(
+        None, "Megatron's activation recompute: full (whole blocks, with --recompute-method and "
+              "--recompute-num-layers); selective (core attention only) is refused", choices=["full", "selective"])
+    recompute_method: Optional[str] = setting(
+        None, "uniform: the blocks of each pipeline stage (virtual chunk) in groups of --recompute-num-layers, each "
+              "group's input kept and the group run again in the backward; block: only the first "
+              "--recompute-num-layers blocks of each stage, one at a time (mm_grpo/recompute.py)",
+        choices=list(METHODS))
+    recompute_num_layers: Optional[int] = setting(
+        None, "uniform: blocks per recomputed group (1: every block); block: blocks recomputed per stage", minimum=1)
+    recompute_activations: bool = setting(False, "Megatron's selective recompute (core attention only): refused "
+                                                 "in one line naming the full flags")
     compile_blocks: bool = setting(False, "torch.compile each FLUX block (fuses element-wise ops; the first "
                                           "iteration compiles)")
 
@@ -228,6 +240,8 @@ def parse_args(argv=None, own_groups=GRPO_GROUP, dataset_keys=components.GRPO_DA
     args = build_parser(own_groups).parse_args(argv)
     check_bounds(args, *(cls for classes in _groups(own_groups).values() for cls in classes))
     _check_lora_args(args)
+    args.recompute = recompute_from_flags(args.recompute_granularity, args.recompute_method,
+                                          args.recompute_num_layers, args.recompute_activations)
     args.mm_model_config = load_json(args.mm_model, "--mm-model")
     args.mm_data_config = load_json(args.mm_data, "--mm-data")
     components.check_model_config(args.mm_model_config, args.mm_model)

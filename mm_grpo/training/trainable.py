@@ -20,6 +20,7 @@ from mm_grpo.families import Family
 from mm_grpo.families.flux.family import FAMILY as FLUX
 from mm_grpo.parallel import ParallelConfig
 from mm_grpo.parallel.pipeline_layout import resolve_pp_layers
+from mm_grpo.recompute import recompute_fields
 from mm_grpo.training import arguments, components, run_guard
 from mm_grpo.training.loop import TrainingRun
 from mm_grpo.training.optim import build_optimizer, build_scheduler, unwrap, wrap_ddp
@@ -47,7 +48,8 @@ def run_configs(args) -> RunConfigs:
                          "on CPU (train in fp32 there, or with TP 1)")
     predictor = configs.block(model, "predictor", configs.MODEL_FLAG)
     family = components.trained_family(model)
-    runtime = dict(recompute_blocks=args.recompute_activations, bf16=args.bf16)
+    # The flags decide, whatever model.json's predictor block says (its older recompute_blocks too).
+    runtime = dict(recompute_blocks=False, **recompute_fields(args.recompute), bf16=args.bf16)
     if args.compile_blocks:
         runtime["compile_blocks"] = True
     return RunConfigs(model, data, predictor, family, family.config_from_block(dict(predictor, **runtime)))

@@ -1,6 +1,6 @@
 """Two GRPO iterations under TP2, SP2, PP2 and DP2 (world size 2) on the tiny pipeline, with the
 PPO loss, with advantage-weighted matching (ode rollout), with Flow-GRPO-Fast branching, with
-DiffusionNFT (ode rollout by an EMA old policy), with PPO + GRPO-Guard and with flow_grpo's cps sampler.
+DiffusionNFT (ode rollout by an EMA old policy), with PPO + GRPO-Guard and with flow_grpo's cps sampler; at PP2 with each stage's first block recomputed.
 
 Each layout writes its losses, rewards and final weights (diffusers names) to
 $MM_GRPO_TEST_OUT; tests/distributed/test_grpo_distributed.py compares them with a
@@ -11,6 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from mm_grpo.recompute import Recompute, recompute_flags
 from tests.distributed.worker import check
 from tests.grpo_helpers import ADAM_LINEAR, LAYOUTS, SMOOTH_REWARD, grpo_argv, run_grpo, write_configs
 from tests.utils import gather_adapter_state, gather_hf_state_dict
@@ -30,7 +31,10 @@ NFT = ["--policy-loss", "nft", "--sampler", "ode", "--ema-decay", "0.5", "--ema-
 GUARD = ["--ratio-norm", "--step-reweight", "--updates-per-rollout", "2", "--clip-range", "0.2"]
 # flow_grpo's cps sampler, its constant-free log-probs, on Flow-GRPO's ordered steps.
 CPS = ["--sampler", "cps", "--timestep-selection", "ordered"]
-VARIANTS = {"ppo": [], "awm": AWM, "branch": BRANCH, "nft": NFT, "guard": GUARD, "cps": CPS, "lora": LORA}
+# Megatron's block recompute of each pipeline stage's first block (counted per stage: at PP2 one block of each).
+RECOMPUTE = recompute_flags(Recompute("block", 1))
+VARIANTS = {"ppo": [], "awm": AWM, "branch": BRANCH, "nft": NFT, "guard": GUARD, "cps": CPS, "lora": LORA,
+            "recompute": RECOMPUTE}
 # Group advantages gathered over 2 ranks: unequal row counts, groups spanning both ranks.
 ADVANTAGE_REWARDS = [0.3, 0.9, 0.1, 0.4, 0.8, 0.2, 0.7, 0.6]
 ADVANTAGE_PROMPTS = ["p0", "p1", "p0", "p1", "p0", "p1", "p0", "p1"]
@@ -217,6 +221,11 @@ def grpo_lora_pp2():
 @check(2)
 def grpo_lora_dp2():
     return _run_layout("lora_dp2")
+
+
+@check(2)
+def grpo_recompute_pp2():
+    return _run_layout("recompute_pp2")
 
 
 @check(4)

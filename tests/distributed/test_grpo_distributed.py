@@ -1,7 +1,7 @@
 """GRPO under TP2 / SP2 / PP2 / DP2 equals the single-process run (losses, rewards, weights), with
 the PPO loss, with advantage-weighted matching, with Flow-GRPO-Fast branching, with DiffusionNFT (its
-EMA old policy too), with PPO + GRPO-Guard, with the cps sampler and with LoRA (also TP2 x PP2, and DP2 with the distributed
-optimizer); the distributed optimizer's exact resume; group advantages gathered over two ranks."""
+EMA old policy too), with PPO + GRPO-Guard, with the cps sampler, with LoRA (also TP2 x PP2, and DP2 with the distributed
+optimizer) and at PP2 with each stage's first block recomputed; the distributed optimizer's exact resume; group advantages gathered over two ranks."""
 import os
 
 import pytest
@@ -37,9 +37,9 @@ def single_process(parallel_1proc, tiny_pipeline_dir, tmp_path_factory):
     return result
 
 
-# Every variant at TP2, SP2, PP2 and DP2, and LoRA at TP2 x PP2.
-CHECKED_LAYOUTS = [("" if variant == "ppo" else variant + "_") + layout
-                   for variant in VARIANTS for layout in ("tp2", "sp2", "pp2", "dp2")] + ["lora_tp2pp2"]
+# Every variant at TP2, SP2, PP2 and DP2, LoRA at TP2 x PP2, and block recompute per stage at PP2.
+CHECKED_LAYOUTS = [("" if variant == "ppo" else variant + "_") + layout for variant in VARIANTS if variant != "recompute"
+                   for layout in ("tp2", "sp2", "pp2", "dp2")] + ["lora_tp2pp2", "recompute_pp2"]
 
 
 @pytest.mark.parametrize("layout", CHECKED_LAYOUTS)

@@ -22,6 +22,7 @@ from mm_grpo.families.flux.transformer.hf_weights import copy_hf_weights
 from mm_grpo.families.flux.transformer.latents import VAE_SCALE_FACTOR, pack_latents, prepare_latent_image_ids, unpack_latents
 from mm_grpo.families.flux.transformer.model import FluxTransformer
 from mm_grpo.parallel.grad_scale import scale_grad
+from mm_grpo.recompute import with_megatron_recompute
 
 # MindSpeed-MM's flow-matching schedulers give timesteps on diffusers' 0..1000 scale (sigma x
 # num_train_timesteps, 1000 in every FLUX scheduler config); FLUX's forward takes sigma, as
@@ -63,6 +64,7 @@ class FluxPredictor(FluxTransformer):
                 f"predictor from_pretrained {path!r} is not a file: MindSpeed-MM loads one .safetensors / .pt / .pth "
                 "file (e.g. a transformer's diffusion_pytorch_model.safetensors); a sharded checkpoint goes "
                 "through --load")
+        block = with_megatron_recompute(block)
         staged = global_layer_idx is not None
         config = flux_config_from_block(block, staged)
         block_range = _block_range(global_layer_idx, block.get("num_layers")) if staged else None

@@ -27,6 +27,7 @@ from mm_grpo.families.flux.checkpoint.metadata import CheckpointMeta
 from mm_grpo.families.flux.text import MAX_SEQUENCE_LENGTH
 from mm_grpo.families.flux.transformer.config import DIFFUSERS_FIELDS, FluxConfig
 from mm_grpo.families.flux.transformer.hf_weights import transformer_dir
+from mm_grpo.recompute import METHODS, block_recompute_fields
 from mm_grpo.settings import Count, Finite, NonNegative, read_block
 
 MODEL_ID = "flux"  # the predictor's model_id (mm_grpo/mindspeed_mm/registry.py registers it)
@@ -34,7 +35,7 @@ MODEL_ID = "flux"  # the predictor's model_id (mm_grpo/mindspeed_mm/registry.py 
 # DanceGRPO), and MindSpeed-MM's own for FLUX's VAE (its AE_MODEL_MAPPINGS); mm-grpo reads neither.
 AE_MODEL_IDS = ("autoencoder_kl", "flux_vae")
 TEXT_ENCODER_MODEL_IDS = ("flux_text_encoders",)
-_RUNTIME = ("recompute_blocks", "compile_blocks", "bf16")  # options of a run, not of the weights
+_RUNTIME = ("compile_blocks", "bf16")  # options of a run, not of the weights
 # MindSpeed-MM's name -> diffusers' (see the module docstring).
 MINDSPEED_MM_NAMES = {"num_heads": "num_attention_heads", "head_dim": "attention_head_dim"}
 _DTYPES = {"fp32": False, "float32": False, "bf16": True, "bfloat16": True}  # -> bf16 compute
@@ -52,8 +53,10 @@ class PredictorBlock:
     pipeline_num_layers: Optional[PipelineLayers] = None
     num_heads: Optional[Count] = None  # MINDSPEED_MM_NAMES
     head_dim: Optional[Count] = None
-    recompute_blocks: bool = False  # _RUNTIME
-    compile_blocks: bool = False
+    recompute_blocks: bool = False  # older configs: every block (mm_grpo/recompute.py block_recompute_fields)
+    recompute_method: Optional[Literal[METHODS]] = None
+    recompute_num_layers: Optional[Count] = None
+    compile_blocks: bool = False  # _RUNTIME
     bf16: bool = False
     pre_process: bool = True  # PredictModel's, per pipeline stage
     post_process: bool = True
@@ -135,6 +138,7 @@ def flux_config_from_block(block: dict, staged: bool = False) -> FluxConfig:
     converted `from_pretrained` folder. `staged`: the block carries a pipeline stage's arguments."""
     arch = check_block(block)
     runtime = {k: block[k] for k in _RUNTIME if k in block}
+    runtime.update(block_recompute_fields(block, BLOCK_NAME))
     if block.get("dtype") is not None:
         runtime["bf16"] = runtime.get("bf16", False) or _bf16(block["dtype"])
     if arch:

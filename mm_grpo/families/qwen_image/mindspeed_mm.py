@@ -18,6 +18,7 @@ from mm_grpo.families.qwen_image.transformer import layout
 from mm_grpo.families.qwen_image.transformer.config import DIFFUSERS_FIELDS
 from mm_grpo.families.qwen_image.transformer.hf_weights import load_hf_weights
 from mm_grpo.families.qwen_image.transformer.model import QwenImageTransformer
+from mm_grpo.recompute import with_megatron_recompute
 
 # diffusers names that never occur among the Megatron model's own parameter names
 _DIFFUSERS_ONLY = ("transformer_blocks.", "norm_out.", "proj_out.", "time_text_embed.timestep_embedder.")
@@ -49,6 +50,7 @@ class QwenImagePredictor(QwenImageTransformer):
             raise ValueError(
                 f"predictor from_pretrained {path!r} is not a file: MindSpeed-MM loads one .safetensors / .pt / .pth "
                 "file; a sharded diffusers folder goes through mm-convert QwenImageConverter hf_to_mm and --load")
+        block = with_megatron_recompute(block)
         staged = global_layer_idx is not None
         stage_blocks = block.get("num_layers")
         if staged:  # PredictModel has replaced num_layers by the stage's count: the model's is the sum

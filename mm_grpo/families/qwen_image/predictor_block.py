@@ -16,6 +16,7 @@ from pydantic import Field
 from mm_grpo.checkpoint.paths import is_megatron_checkpoint, iteration_dir
 from mm_grpo.configs import AeBlock, ModelBlocks, TextEncoderBlock
 from mm_grpo.families.qwen_image.transformer.config import DIFFUSERS_FIELDS, QwenImageConfig
+from mm_grpo.recompute import METHODS, block_recompute_fields
 from mm_grpo.settings import Count, NonNegative, read_block
 
 # The predictor's model_id: mm-grpo's, apart from MindSpeed-MM's own names (its PREDICTOR_MODEL_MAPPINGS), so
@@ -24,7 +25,7 @@ MODEL_ID = "mmgrpo_qwenimage"
 TEXT_ENCODER_MODEL_IDS = ("qwen2_5_vl",)  # names model.json's other blocks may carry; mm-grpo reads neither
 AE_MODEL_IDS = ("autoencoder_kl_qwenimage",)
 MAX_SEQUENCE_LENGTH = 1024  # QwenImagePipeline refuses longer prompts
-RUNTIME = ("recompute_blocks", "bf16")  # options of a run, not of the weights
+RUNTIME = ("bf16",)  # options of a run, not of the weights
 MINDSPEED_MM_NAMES = {"num_heads": "num_attention_heads", "head_dim": "attention_head_dim"}
 _DTYPES = {"fp32": False, "float32": False, "bf16": True, "bfloat16": True}  # -> bf16 compute
 BLOCK_NAME = f"the {MODEL_ID} predictor block"
@@ -41,8 +42,10 @@ class PredictorBlock:
     pipeline_num_layers: Optional[PipelineLayers] = None
     num_heads: Optional[Count] = None  # MINDSPEED_MM_NAMES
     head_dim: Optional[Count] = None
-    recompute_blocks: bool = False  # RUNTIME
-    bf16: bool = False
+    recompute_blocks: bool = False  # older configs: every block (mm_grpo/recompute.py block_recompute_fields)
+    recompute_method: Optional[Literal[METHODS]] = None
+    recompute_num_layers: Optional[Count] = None
+    bf16: bool = False  # RUNTIME
     pre_process: bool = True  # PredictModel's, per pipeline stage
     post_process: bool = True
     global_layer_idx: Optional[List[NonNegative]] = None
@@ -96,6 +99,7 @@ def config_from_block(block: dict) -> QwenImageConfig:
     block = {k: v for k, v in block.items() if k != "compile_blocks"}
     arch = check_block(block)
     runtime = {k: block[k] for k in RUNTIME if k in block}
+    runtime.update(block_recompute_fields(block, BLOCK_NAME))
     if block.get("dtype") is not None:
         runtime["bf16"] = runtime.get("bf16", False) or _bf16(block["dtype"])
     if arch:

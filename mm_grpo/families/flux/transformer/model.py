@@ -17,7 +17,6 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.enums import ModelType
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from mm_grpo import kernels
 from mm_grpo.families.flux.transformer.blocks import DoubleStreamBlock, SingleStreamBlock
@@ -25,6 +24,7 @@ from mm_grpo.families.flux.transformer.config import FluxConfig
 from mm_grpo.families.flux.transformer.embeddings import TimeTextEmbedding, rope_tables
 from mm_grpo.layers import Modulation, dense, layer_norm, megatron_config, modulate
 from mm_grpo.parallel.ulysses import SequenceShard
+from mm_grpo.recompute import run_blocks
 from mm_grpo.platform.adaptor import torch_compile_replaced
 
 
@@ -151,12 +151,9 @@ class FluxTransformer(MegatronModule):
         return torch.cat([txt, img], dim=1).transpose(0, 1).contiguous()
 
     def run_blocks(self, x, n_txt, vec, rope, key_mask=None):
-        for block in [*self.double_blocks, *self.single_blocks]:
-            if self.flux_config.recompute_blocks and torch.is_grad_enabled():
-                x = checkpoint(block, x, n_txt, vec, rope, key_mask, use_reentrant=False)
-            else:
-                x = block(x, n_txt, vec, rope, key_mask)
-        return x
+        """This chunk's blocks, double- then single-stream, as one sequence for Megatron's recompute."""
+        return run_blocks([*self.double_blocks, *self.single_blocks], x, self.flux_config.recompute,
+                          n_txt, vec, rope, key_mask)
 
     def compile_blocks(self):
         """Every block's call under torch.compile (inductor). Between its GEMMs a block is a chain of

@@ -1,11 +1,12 @@
 """Qwen-Image transformer configuration: plain data, with presets and diffusers interop."""
 import dataclasses
 import os
-from typing import Annotated, Optional, Tuple
+from typing import Annotated, Literal, Optional, Tuple
 
 from pydantic import Field
 
 from mm_grpo.files.jsonfile import load_json
+from mm_grpo.recompute import METHODS, config_recompute
 from mm_grpo.settings import Count, NonNegative, read_block
 
 # Fields of diffusers' QwenImageTransformer2DModel config that define the architecture.
@@ -40,7 +41,8 @@ class QwenImageConfig:
     rope_theta: int = 10000
     norm_eps: float = 1e-6
     # Runtime options (not part of the checkpoint).
-    recompute_blocks: bool = False  # activation checkpointing, one block at a time
+    recompute_method: Optional[Literal[METHODS]] = None  # Megatron's full recompute (mm_grpo/recompute.py)
+    recompute_num_layers: Optional[Count] = None
     bf16: bool = False  # compute in bf16 (norm statistics and RoPE stay fp32)
 
     def __post_init__(self):
@@ -50,6 +52,12 @@ class QwenImageConfig:
                              f"({self.attention_head_dim})")
         if any(d % 2 for d in self.axes_dims_rope):
             raise ValueError(f"axes_dims_rope {self.axes_dims_rope} must all be even")
+        config_recompute(self.recompute_method, self.recompute_num_layers)  # both or neither
+
+    @property
+    def recompute(self):
+        """The blocks recomputed in the backward (`mm_grpo.recompute.Recompute`), or None."""
+        return config_recompute(self.recompute_method, self.recompute_num_layers)
 
     @property
     def hidden_size(self) -> int:

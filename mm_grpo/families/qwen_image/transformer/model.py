@@ -18,7 +18,6 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from mm_grpo import kernels
 from mm_grpo.families.qwen_image.transformer.blocks import DualStreamBlock
@@ -26,6 +25,7 @@ from mm_grpo.families.qwen_image.transformer.config import QwenImageConfig
 from mm_grpo.families.qwen_image.transformer.embeddings import TimestepEmbedding, rope_tables
 from mm_grpo.layers import Modulation, dense, layer_norm, megatron_config, modulate
 from mm_grpo.parallel.ulysses import SequenceShard
+from mm_grpo.recompute import run_blocks
 
 
 def check_parallel_sizes(config: QwenImageConfig, tp: int, cp: int = 1):
@@ -155,12 +155,7 @@ class QwenImageTransformer(MegatronModule):
         return torch.cat([txt, img], dim=1).transpose(0, 1).contiguous()
 
     def run_blocks(self, x, n_txt, vec, rope, key_mask=None):
-        for block in self.blocks:
-            if self.qwen_config.recompute_blocks and torch.is_grad_enabled():
-                x = checkpoint(block, x, n_txt, vec, rope, key_mask, use_reentrant=False)
-            else:
-                x = block(x, n_txt, vec, rope, key_mask)
-        return x
+        return run_blocks(self.blocks, x, self.qwen_config.recompute, n_txt, vec, rope, key_mask)
 
     def forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes):
         n_img = hidden_states.shape[1]
