@@ -4,7 +4,8 @@ with only its variables set (tiny model, 2 iterations, CPU, gloo, a no-op CANN s
 
 - Two iterations with the KL term equal mm-grpo's own trainer at the same seeds (losses, KL, rewards,
   grad norms, weights, the held-out evaluation before and after), and a run resumed from Megatron's
-  checkpoint (`--load`) continues exactly as the uninterrupted one.
+  checkpoint (`--load`) continues exactly as the uninterrupted one; with Megatron's block recompute flags
+  the launch trains bit for bit what the plain one trains.
 - With MindSpeed-MM's own LoRA (its `--lora-target-modules` flags after the script): only adapters
   train and are saved, the KL term's reference is their frozen base, and resume is exact.
 - The entry's guards: every refusal is one line per launch before Megatron starts (a torchrun launch
@@ -237,6 +238,19 @@ def test_pretrain_resumed_from_its_checkpoint_continues_identically(runs):
     assert resumed["eval/reward_mean"][2] == full["eval/reward_mean"][2]
     a, b = saved_model(runs["full"], 2), saved_model(runs["resumed"], 2)
     assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a if torch.is_tensor(a[n]))
+
+
+def test_pretrain_with_megatrons_block_recompute_trains_what_the_plain_launch_trains(runs, configs, tmp_path):
+    """Megatron's --recompute-* flags after grpo_flux.sh reach the FLUX predictor through pretrain's parsed
+    arguments (over grpo_model.json's recompute_blocks): the launch trains bit for bit what the plain one
+    did (tests/test_recompute.py: the predictor reads them; the models: which blocks run twice)."""
+    _, model_json, data_json, tools_json = configs
+    flags = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
+    out = str(tmp_path / "recomputed")
+    run_script(tmp_path / "a", out, model_json, data_json, tools_json, load=str(tmp_path / "nothing_yet"), extra=flags)
+    plain, recomputed = scalars(runs["full"]), scalars(out)
+    for tag in ("loss", "kl", "reward/mean", "grad-norm"):
+        assert recomputed[tag] == plain[tag], tag
 
 
 # --- MindSpeed-MM's own LoRA (--lora-target-modules: peft around the policy) --------------------------
