@@ -45,10 +45,6 @@ class Recompute:
         first = min(n, count)
         return [(i, i + 1, True) for i in range(first)] + ([(first, count, False)] if first < count else [])
 
-    def recomputed_blocks(self, count: int) -> int:
-        """How many of a chunk's `count` blocks run their forward twice."""
-        return sum(end - start for start, end, again in self.spans(count) if again)
-
 
 EVERY_BLOCK = Recompute("uniform", 1)  # model.json's `recompute_blocks: true` (older configs)
 

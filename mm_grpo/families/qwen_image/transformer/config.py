@@ -1,5 +1,6 @@
 """Qwen-Image transformer configuration: plain data, with presets and diffusers interop."""
 import dataclasses
+import functools
 import os
 from typing import Annotated, Literal, Optional, Tuple
 
@@ -54,7 +55,7 @@ class QwenImageConfig:
             raise ValueError(f"axes_dims_rope {self.axes_dims_rope} must all be even")
         config_recompute(self.recompute_method, self.recompute_num_layers)  # both or neither
 
-    @property
+    @functools.cached_property  # read by every forward; derived from the two fields once
     def recompute(self):
         """The blocks recomputed in the backward (`mm_grpo.recompute.Recompute`), or None."""
         return config_recompute(self.recompute_method, self.recompute_num_layers)
