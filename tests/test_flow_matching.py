@@ -7,9 +7,7 @@ import pytest
 import torch
 
 from mm_grpo.data.image_captions import ImageCaptionDataset
-from mm_grpo.families.flux.chunks import forward_backward
 from mm_grpo.flow import FlowMatchingSettings, flow_matching_loss, noisy_latents, sample_sigmas, shift_sigmas
-from mm_grpo.training.loop import optimizer_step
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.grpo_helpers import flow_argv, run_flow, write_flow_configs
 
@@ -91,9 +89,8 @@ def _weights(run):
 
 def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(parallel_1proc, configs):
     _, run = run_flow(flow_argv(*configs, iters=0, extra=["--lr", "3e-3"]))
-    batch, m = run.micro_batches(0), run.model
-    losses = [optimizer_step(m.chunks, m.optimizer, m.scheduler, batch, run.loss_fn,
-                             forward_backward=forward_backward)[1]["loss"] for _ in range(8)]
+    batch = run.micro_batches(0)
+    losses = [run.train_on(batch)["loss"] for _ in range(8)]
     assert losses[-1] < 0.7 * losses[0], losses
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
 

@@ -9,10 +9,8 @@ import pytest
 import torch
 
 from mm_grpo.data.image_captions import ImageCaptionDataset
-from mm_grpo.families.qwen_image.chunks import forward_backward
 from mm_grpo.families.qwen_image.vae import encode_latents, load_vae
 from mm_grpo.recompute import EVERY_BLOCK_FLAGS
-from mm_grpo.training.loop import optimizer_step
 from tests.fixtures import parallel_1proc  # noqa: F401
 from tests.grpo_helpers import flow_argv, run_flow, write_flow_configs
 
@@ -57,9 +55,8 @@ def test_micro_batches_are_the_pipelines_latents_and_masked_text(parallel_1proc,
 
 def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(parallel_1proc, configs):
     _, run = run_flow(flow_argv(*configs, iters=0, extra=["--lr", "3e-3"]))
-    batch, m = run.micro_batches(0), run.model
-    losses = [optimizer_step(m.chunks, m.optimizer, m.scheduler, batch, run.loss_fn,
-                             forward_backward=forward_backward)[1]["loss"] for _ in range(8)]
+    batch = run.micro_batches(0)
+    losses = [run.train_on(batch)["loss"] for _ in range(8)]
     assert losses[-1] < 0.7 * losses[0], losses
 
 

@@ -220,9 +220,13 @@ class FlowRun(ConfiguredRun):
         return flow_matching_loss(v, mb["x0"], mb["noise"]).mean(), {}
 
     def step(self, iteration: int) -> Dict[str, float]:
+        return self.train_on(self.micro_batches(iteration))
+
+    def train_on(self, micro_batches) -> Dict[str, float]:
+        """One optimizer step on `micro_batches` -> its statistics."""
         m = self.model
         forward_backward = functools.partial(self.family.forward_backward, denoiser=self.denoiser)
-        return optimizer_step(m.chunks, m.optimizer, m.scheduler, self.micro_batches(iteration), self.loss_fn,
+        return optimizer_step(m.chunks, m.optimizer, m.scheduler, micro_batches, self.loss_fn,
                               forward_backward=forward_backward)[1]
 
 
